@@ -1,0 +1,42 @@
+# Two commands do everything on a fresh machine: `make run` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export OMP_WAIT_POLICY ?= PASSIVE
+export HF_HUB_OFFLINE ?= 1
+export HF_DATASETS_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+export DO_NOT_TRACK ?= true
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+CONFIG ?= configs/tiny.yaml
+
+.PHONY: install run test test-fast lint serve bench clean
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+run: install
+	$(VENV)/bin/grpo pipeline --config $(CONFIG)
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
+
+test: install lint
+	$(PY) -m pytest
+
+test-fast: install
+	$(PY) -m pytest -m "not slow"
+
+serve: install
+	$(VENV)/bin/grpo serve --config $(CONFIG)
+
+clean:
+	rm -rf runs mlflow.db mlartifacts .prefect

@@ -1,0 +1,95 @@
+"""Reward functions by name, weighted scoring, and errors that say which function failed.
+
+A reward function has TRL's signature: fn(completions, **columns) -> list[float | None]. None
+means "not applicable" and is left out of that completion's weighted sum. Config entries are
+registry names ("accuracy", "format", "soft_overlong") or import paths ("my_pkg.rewards:fn").
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from reward_fns.accuracy import accuracy
+from reward_fns.format import format_reward, soft_overlong_penalty
+
+RewardFn = Callable[..., list]
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function raised or returned something unusable."""
+
+
+def resolve(name: str, *, max_completion_length: int = 0, overlong_cache: int = 0) -> RewardFn:
+    """Turn a config entry into a reward function."""
+    if name == "accuracy":
+        return accuracy
+    if name == "format":
+        return format_reward
+    if name == "soft_overlong":
+        return soft_overlong_penalty(max_completion_length, overlong_cache)
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"reward_funcs: cannot import {name!r}: {e}") from e
+        if not callable(fn):
+            raise ValueError(f"reward_funcs: {name!r} is not callable")
+        return fn
+    raise ValueError(
+        f"reward_funcs: unknown reward function {name!r}; use one of "
+        "accuracy, format, soft_overlong or an import path 'package.module:function'"
+    )
+
+
+def _call(name: str, fn: RewardFn, completions: Sequence[Any], columns: Mapping) -> list:
+    try:
+        out = list(fn(completions, **columns))
+    except Exception as batch_error:
+        # find the first completion that makes it fail, so the error can name it
+        for i in range(len(completions)):
+            try:
+                fn(completions[i : i + 1], **{k: v[i : i + 1] for k, v in columns.items()})
+            except Exception as e:
+                raise RewardFunctionError(
+                    f"reward function {name!r} raised on completion {i}: {type(e).__name__}: {e}"
+                ) from e
+        raise RewardFunctionError(
+            f"reward function {name!r} raised on the batch: {type(batch_error).__name__}: "
+            f"{batch_error}"
+        ) from batch_error
+    if len(out) != len(completions):
+        raise RewardFunctionError(
+            f"reward function {name!r} returned {len(out)} values "
+            f"for {len(completions)} completions"
+        )
+    for i, v in enumerate(out):
+        if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v)):
+            raise RewardFunctionError(
+                f"reward function {name!r} returned {v!r} for completion {i}; "
+                "expected a finite number or None"
+            )
+    return out
+
+
+def score(
+    funcs: Mapping[str, RewardFn],
+    weights: Sequence[float],
+    completions: Sequence[Any],
+    columns: Mapping[str, Sequence[Any]],
+) -> tuple[list[float], dict[str, list[float | None]]]:
+    """Weighted reward per completion and each function's raw scores.
+
+    A None score is left out of that completion's sum (the other functions still count).
+    """
+    if len(weights) != len(funcs):
+        raise ValueError(f"reward_weights: {len(weights)} weights for {len(funcs)} functions")
+    per_fn = {name: _call(name, fn, completions, columns) for name, fn in funcs.items()}
+    totals = []
+    for i in range(len(completions)):
+        vals = [(w, per_fn[n][i]) for n, w in zip(per_fn, weights)]
+        totals.append(float(sum(w * v for w, v in vals if v is not None)))
+    return totals, per_fn

@@ -1,0 +1,76 @@
+"""Hand-computed advantages for every mode, the zero-std group and process supervision."""
+
+import pytest
+import torch
+
+from grpo import group_advantages, process_advantages, zero_std_groups
+
+
+def test_zscore_worked_example_from_grpo_md():
+    adv = group_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0]), 4)
+    # mean 0.5, population std 0.5 -> 0.5 / (0.5 + 1e-4)
+    expected = 0.5 / 0.5001
+    assert torch.allclose(adv, torch.tensor([expected, -expected, expected, -expected]))
+
+
+def test_zscore_uses_population_std_not_sample_std():
+    adv = group_advantages(torch.tensor([3.0, 1.0]), 2, eps=0.0)
+    # mean 2, population std 1 (sample std would be sqrt(2))
+    assert torch.allclose(adv, torch.tensor([1.0, -1.0]))
+
+
+def test_center_mode_is_dr_grpo():
+    adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 4.0]), 3, mode="center")
+    assert torch.allclose(adv, torch.tensor([2 / 3, -1 / 3, -1 / 3, -2.0, 0.0, 2.0]))
+
+
+def test_leave_one_out():
+    adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 4, mode="loo")
+    # r_i - mean(others): 1 - 1/3, 0 - 2/3
+    assert torch.allclose(adv, torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3]))
+    # equals G/(G-1) * (r - mean)
+    centered = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 4, mode="center")
+    assert torch.allclose(adv, centered * 4 / 3)
+
+
+@pytest.mark.parametrize("mode", ["zscore", "center", "loo"])
+def test_equal_rewards_give_exact_zeros(mode):
+    rewards = torch.tensor([0.3, 0.3, 0.3, 1.0, 0.0, 0.5])
+    adv = group_advantages(rewards, 3, mode=mode)
+    assert torch.equal(adv[:3], torch.zeros(3))
+    assert not torch.isnan(adv).any()
+    assert zero_std_groups(rewards, 3).tolist() == [True, False]
+
+
+def test_groups_are_independent():
+    a = group_advantages(torch.tensor([1.0, 0.0, 5.0, 7.0]), 2, eps=0.0)
+    assert torch.allclose(a, torch.tensor([1.0, -1.0, -1.0, 1.0]))
+
+
+def test_bad_arguments_name_themselves():
+    with pytest.raises(ValueError, match="mode"):
+        group_advantages(torch.zeros(4), 2, mode="bogus")
+    with pytest.raises(ValueError, match="group_size"):
+        group_advantages(torch.zeros(5), 2)
+
+
+def test_process_advantages_worked_two_completion_example():
+    # completion 0: steps end at tokens 1 and 3 with rewards 1, 0;
+    # completion 1: one step ending at token 2 with reward 0.
+    # pooled rewards (1, 0, 0): mean 1/3, std sqrt(2)/3 -> normalised (sqrt2, -1/sqrt2, -1/sqrt2)
+    adv = process_advantages([[1.0, 0.0], [0.0]], [[1, 3], [2]], 2, 5, eps=0.0)
+    s = 2**0.5
+    expected = torch.tensor(
+        [
+            [s - 1 / s, s - 1 / s, -1 / s, -1 / s, 0.0],  # t<=1: both steps; t in 2..3: step 2
+            [-1 / s, -1 / s, -1 / s, 0.0, 0.0],  # tokens after the last step end get 0
+        ]
+    )
+    assert torch.allclose(adv, expected, atol=1e-6)
+
+
+def test_process_advantages_equal_rewards_zero_and_validation():
+    adv = process_advantages([[1.0], [1.0, 1.0]], [[0], [0, 1]], 2, 3)
+    assert torch.equal(adv, torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="step_ends"):
+        process_advantages([[1.0]], [[5]], 1, 3)

@@ -1,0 +1,129 @@
+"""Reward functions on real GSM8K and MATH-500 answers; garbage and huge inputs stay fast."""
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from reward_fns import (
+    RewardFunctionError,
+    accuracy,
+    format_reward,
+    resolve,
+    score,
+    soft_overlong_penalty,
+)
+
+DATA = Path(__file__).resolve().parents[2] / "data"
+
+
+def _rows(path: Path, n: int) -> list[dict]:
+    with path.open() as f:
+        return [json.loads(line) for _, line in zip(range(n), f)]
+
+
+def test_gsm8k_gold_answers_score_one_and_off_by_one_scores_zero():
+    rows = _rows(DATA / "gsm8k" / "test.jsonl", 40)
+    golds = [r["answer"].split("####")[-1].strip().replace(",", "") for r in rows]
+    right = [f"<think>{r['answer']}</think><answer>{g}</answer>" for r, g in zip(rows, golds)]
+    assert accuracy(right, golds) == [1.0] * len(golds)
+    wrong = [f"<answer>{float(g) + 1}</answer>" for g in golds]
+    assert accuracy(wrong, golds) == [0.0] * len(golds)
+
+
+def test_math500_answers_in_equivalent_forms():
+    rows = _rows(DATA / "math500" / "test.jsonl", 60)
+    golds = [r["answer"] for r in rows]
+    boxed = [f"So the answer is $\\boxed{{{g}}}$." for g in golds]
+    scores = accuracy(boxed, golds)
+    assert sum(scores) >= 0.95 * len(golds)  # the boxed gold itself
+    assert accuracy(["$\\boxed{0.5}$", "<answer>\\dfrac{3}{6}</answer>"], ["\\frac{1}{2}"] * 2) == [
+        1.0,
+        1.0,
+    ]
+    assert accuracy(["$\\boxed{\\frac{\\pi}{2}}$"], ["90^\\circ"]) in ([0.0], [1.0])
+    assert accuracy(["$\\boxed{x^2+2x+1}$"], ["(x+1)^2"]) == [1.0]
+    assert accuracy(["$\\boxed{3}$"], ["\\frac{1}{2}"]) == [0.0]
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        "",
+        "}}}{{{\\frac{\\frac{",
+        "a" * 10_000,
+        "\\sqrt{" * 5000,
+        "<answer>" + "9^9^" * 2500 + "</answer>",
+        "<think></think><answer>\\begin{matrix}" + "&" * 9000 + "</answer>",
+    ],
+)
+def test_garbage_and_huge_inputs_score_zero_quickly(garbage):
+    t = time.perf_counter()
+    assert accuracy([garbage], ["17"]) == [0.0]
+    assert time.perf_counter() - t < 6.0  # parse + verify limits of 1 s each, plus the gold
+
+
+def test_accuracy_works_off_the_main_thread():
+    out = []
+    t = threading.Thread(target=lambda: out.append(accuracy(["<answer>4</answer>"], ["4"])))
+    t.start()
+    t.join(timeout=60)
+    assert out == [[1.0]]
+
+
+def test_chat_message_completions():
+    msgs = [[{"role": "assistant", "content": "<think>ok</think><answer>12</answer>"}]]
+    assert accuracy(msgs, ["12"]) == [1.0]
+    assert format_reward(msgs) == [1.0]
+
+
+def test_format_reward_cannot_be_farmed_by_repeating_tags():
+    good = "<think>1+1=2</think><answer>2</answer>"
+    assert format_reward([good]) == [1.0]
+    farmed = [
+        "<think>a</think><think>b</think><answer>2</answer>",
+        good + good,
+        "<think>a</think><answer>2</answer><answer>3</answer>",
+        "<think><think></think></think><answer>2</answer>",
+        "<think>a</think><answer></answer>",
+        "<answer>2</answer>",
+        good + " trailing text",
+    ]
+    assert format_reward(farmed) == [0.0] * len(farmed)
+
+
+def test_soft_overlong_penalty_hand_values():
+    fn = soft_overlong_penalty(max_completion_length=10, cache_length=4)
+    ids = [[0] * n for n in (3, 6, 8, 10, 12)]
+    # free length 6: 0, 0, (6-8)/4, (6-10)/4, -1
+    assert fn(["x"] * 5, completion_ids=ids) == [0.0, 0.0, -0.5, -1.0, -1.0]
+    with pytest.raises(ValueError, match="cache_length"):
+        soft_overlong_penalty(10, 0)
+
+
+def test_weighted_score_skips_none():
+    funcs = {"a": lambda c, **k: [1.0, None], "b": lambda c, **k: [0.5, 0.5]}
+    totals, per_fn = score(funcs, [2.0, 1.0], ["x", "y"], {})
+    assert totals == [2.5, 0.5]
+    assert per_fn["a"] == [1.0, None]
+
+
+def test_failing_reward_function_is_named_with_the_completion_index():
+    def picky(completions, **kw):
+        return [1.0 / (len(c) - 3) for c in completions]  # divides by zero on "abc"
+
+    with pytest.raises(RewardFunctionError, match=r"'picky' raised on completion 2"):
+        score({"picky": picky}, [1.0], ["a", "ab", "abc", "abcd"], {})
+    with pytest.raises(RewardFunctionError, match="returned nan"):
+        score({"nan": lambda c, **k: [float("nan")] * len(c)}, [1.0], ["a"], {})
+
+
+def test_registry_resolves_names_and_import_paths():
+    assert resolve("accuracy") is accuracy
+    assert resolve("reward_fns.format:format_reward") is format_reward
+    with pytest.raises(ValueError, match="unknown reward function 'nope'"):
+        resolve("nope")
+    with pytest.raises(ValueError, match="cannot import"):
+        resolve("no_such_module:fn")
