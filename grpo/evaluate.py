@@ -1,0 +1,151 @@
+"""Held-out evaluation: generation in length-sorted batches, math-verify scoring, metrics.
+
+Metrics: greedy pass@1 with a Wilson 95% interval; with n samples per problem also mean accuracy,
+maj@k and the unbiased pass@k estimator (Chen et al. 2021); mean completion length, truncation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any
+
+import torch
+
+from grpo.config import Config
+from grpo.modeling import encode_prompts
+from grpo.rollout import generate
+from reward_fns import accuracy, extract_answer
+
+Z95 = 1.959963984540054
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k).
+
+    >>> round(pass_at_k(4, 1, 2), 4)
+    0.5
+    """
+    if k > n:
+        raise ValueError(f"k: {k} exceeds the number of samples {n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
+
+
+def majority_correct(answers: list[str], correct: list[bool]) -> bool:
+    """maj@k: is the most frequent extracted answer correct? Ties go to the first seen."""
+    if not answers:
+        return False
+    counts = Counter(answers)
+    top = max(counts.values())
+    winner = next(a for a in answers if counts[a] == top)
+    return correct[answers.index(winner)]
+
+
+def wilson_interval(successes: float, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval for a proportion."""
+    if n == 0:
+        return (0.0, 0.0)
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+@torch.no_grad()
+def generate_for_rows(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    rows: list[dict[str, Any]],
+    cfg: Config,
+    device: torch.device,
+    *,
+    samples: int = 1,
+    temperature: float = 1.0,
+    batch_size: int = 256,
+    max_new_tokens: int | None = None,
+    seed: int = 0,
+    progress: bool = False,
+) -> list[dict[str, Any]]:
+    """One record per (row, sample): id, sample, prompt, completion, extracted, gold, correct."""
+    from tqdm import tqdm
+
+    max_new = max_new_tokens or cfg.grpo.max_completion_length
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]["prompt"]))
+    per_batch = max(1, batch_size // samples)
+    records: list[dict[str, Any]] = []
+    bar = tqdm(total=len(rows), desc="evaluate", unit="problem", disable=not progress)
+    for b, start in enumerate(range(0, len(order), per_batch)):
+        idx = order[start : start + per_batch]
+        batch = [rows[i] for i in idx]
+        ids, mask = encode_prompts(tokenizer, [r["prompt"] for r in batch], cfg, device)
+        torch.manual_seed(seed * 1_000_003 + b)  # per-batch seed: same samples for any model
+        ro = generate(
+            model, ids, mask,
+            num_generations=samples, max_completion_length=max_new,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+            temperature=temperature, do_sample=samples > 1,
+            zero_stage=cfg.deepspeed.zero_stage,
+        )  # fmt: skip
+        texts = tokenizer.batch_decode(ro.completion_ids, skip_special_tokens=True)
+        golds = [r["answer"] for r in batch for _ in range(samples)]
+        scores = accuracy(texts, golds)
+        for j, text in enumerate(texts):
+            row = batch[j // samples]
+            records.append(
+                {
+                    "id": row["id"],
+                    "sample": j % samples,
+                    "prompt": row["prompt"],
+                    "completion": text,
+                    "extracted": extract_answer(text),
+                    "gold": row["answer"],
+                    "correct": bool(scores[j]),
+                    "length": int(ro.completion_mask[j].sum()),
+                    "truncated": bool(ro.truncated[j]),
+                    **{k: row[k] for k in ("subject", "level") if k in row},
+                }
+            )
+        bar.update(len(batch))
+    bar.close()
+    return records
+
+
+def summarize(records: list[dict[str, Any]]) -> dict[str, float]:
+    """Metrics recomputable from the per-sample records alone."""
+    by_id: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        by_id.setdefault(r["id"], []).append(r)
+    n_problems = len(by_id)
+    n = min(len(v) for v in by_id.values()) if by_id else 0
+    first = [v[0]["correct"] for v in by_id.values()]
+    acc = sum(first) / max(1, n_problems)
+    lo, hi = wilson_interval(sum(first), n_problems)
+    out = {
+        "accuracy": acc,
+        "accuracy_ci_low": lo,
+        "accuracy_ci_high": hi,
+        "num_problems": float(n_problems),
+        "samples": float(n),
+        "mean_length": sum(r["length"] for r in records) / max(1, len(records)),
+        "truncation_rate": sum(r["truncated"] for r in records) / max(1, len(records)),
+    }
+    if n > 1:
+        out["mean_accuracy"] = sum(r["correct"] for r in records) / len(records)
+        k = 1
+        while k <= n:
+            out[f"pass@{k}"] = (
+                sum(pass_at_k(n, sum(x["correct"] for x in v[:n]), k) for v in by_id.values())
+                / n_problems
+            )
+            out[f"maj@{k}"] = (
+                sum(
+                    majority_correct([x["extracted"] for x in v[:k]], [x["correct"] for x in v[:k]])
+                    for v in by_id.values()
+                )
+                / n_problems
+            )
+            k *= 2
+    return out

@@ -1,0 +1,135 @@
+"""Sampling G completions per prompt in one batched generate call, with sampling log-probs.
+
+The per-token log-probs of the sampling policy are recorded during generation by a logits
+processor, so mu > 1 needs no extra forward pass to know pi_old. Custom processors run before
+transformers' temperature/top-k/top-p warpers, so the recorded value is log softmax(logits / T),
+the same quantity the trainer computes (TRL does the same; top-k/top-p truncation is not
+part of pi's log-prob).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from grpo.logprobs import token_logprobs
+
+
+@dataclass
+class Rollout:
+    prompt_ids: torch.Tensor  # [B, P] left-padded
+    prompt_mask: torch.Tensor  # [B, P]
+    completion_ids: torch.Tensor  # [B, C] pad after EOS
+    completion_mask: torch.Tensor  # [B, C] 1 up to and including EOS
+    truncated: torch.Tensor  # [B] bool: no EOS within max_completion_length
+    sampling_logps: torch.Tensor  # [B, C] log pi_old of each sampled token (0 where masked)
+
+    def select(self, idx: torch.Tensor) -> Rollout:
+        return Rollout(*(getattr(self, f)[idx] for f in self.__dataclass_fields__))
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.completion_mask.sum(1)
+
+
+class _LogpRecorder:
+    """Logits processor that records log pi(chosen token) one step late (when it is known)."""
+
+    def __init__(self, temperature: float) -> None:
+        self.temperature = temperature
+        self.prev: torch.Tensor | None = None  # [B, V] raw logits of the previous step
+        self.logps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.prev is not None:
+            self.finish(input_ids[:, -1])
+        self.prev = scores.detach()
+        return scores
+
+    def finish(self, chosen: torch.Tensor) -> None:
+        assert self.prev is not None
+        lp = token_logprobs(self.prev.unsqueeze(1), chosen.unsqueeze(1), self.temperature)
+        self.logps.append(lp.squeeze(1))
+
+
+def completion_mask(ids: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask of tokens up to and including the first EOS, and whether no EOS was produced.
+
+    >>> completion_mask(torch.tensor([[5, 2, 0], [5, 6, 7]]), eos_id=2)
+    (tensor([[1, 1, 0],
+            [1, 1, 1]]), tensor([False,  True]))
+    """
+    is_eos = ids == eos_id  # [B, C]
+    has_eos = is_eos.any(1)
+    first = torch.where(has_eos, is_eos.int().argmax(1), ids.shape[1])  # [B]
+    pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)  # [1, C]
+    return (pos <= first.unsqueeze(1)).long(), ~has_eos
+
+
+def gather_for_generation(model: torch.nn.Module, zero_stage: int) -> Any:
+    """Under ZeRO-3, gather the full weights once for the whole generate call.
+
+    Fetching each layer's shards per decoding step is much slower (a known TRL trap).
+    """
+    if zero_stage != 3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(model.parameters()))
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    *,
+    num_generations: int,
+    max_completion_length: int,
+    eos_token_id: int,
+    pad_token_id: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    do_sample: bool = True,
+    zero_stage: int = 0,
+) -> Rollout:
+    """G completions for each of the B0 left-padded prompts -> a Rollout of B0 * G rows.
+
+    Rows of one prompt are contiguous (the layout group_advantages expects).
+    """
+    from transformers import GenerationConfig, LogitsProcessorList
+
+    ids = prompt_ids.repeat_interleave(num_generations, 0)  # [B, P]
+    mask = prompt_mask.repeat_interleave(num_generations, 0)
+    recorder = _LogpRecorder(temperature)
+    gen_cfg = GenerationConfig(
+        do_sample=do_sample,
+        temperature=temperature if do_sample else None,
+        top_p=top_p if do_sample else None,
+        top_k=top_k if do_sample else None,
+        max_new_tokens=max_completion_length,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        use_cache=True,
+    )
+    was_training = model.training
+    model.eval()
+    with gather_for_generation(model, zero_stage):
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            generation_config=gen_cfg,
+            logits_processor=LogitsProcessorList([recorder]),
+        )
+    model.train(was_training)
+    comp = out[:, ids.shape[1] :]  # [B, C]
+    if comp.shape[1] > 0:
+        recorder.finish(comp[:, -1])
+    cmask, truncated = completion_mask(comp, eos_token_id)
+    comp = comp.masked_fill(cmask == 0, pad_token_id)
+    logps = torch.stack(recorder.logps, 1) if recorder.logps else torch.zeros_like(comp).float()
+    return Rollout(ids, mask, comp, cmask, truncated, logps * cmask)

@@ -1,0 +1,129 @@
+"""The stages as plain functions over the config: base model, SFT reference, GRPO, evaluation.
+
+Each runs in this process (one rank) or, with deepspeed.nproc > 1 or a hostfile, as ranks started
+by DeepSpeed's launcher running `python -m grpo.worker`. The CLI and the Prefect tasks call these.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from grpo.config import Config
+
+
+class StageError(RuntimeError):
+    """A stage (or one of its ranks) failed; the message carries the failing output."""
+
+
+def base_model_dir(cfg: Config) -> Path:
+    """The model SFT starts from: model.path, or the tiny model built into the run directory."""
+    if cfg.model.path:
+        return Path(cfg.model.path)
+    from grpo.tiny_model import build_tiny_model
+
+    out = Path(cfg.output_dir) / "base" / f"tiny-{cfg.digest('model')}-s{cfg.seed}"
+    if not (out / "config.json").exists():
+        build_tiny_model(out, cfg.model.tiny, cfg.seed)
+    return out
+
+
+def reference_dir(cfg: Config) -> Path:
+    """Where the SFT reference of this config lives (model.path itself when SFT is off)."""
+    if not cfg.sft.enabled:
+        return Path(cfg.model.path or "")
+    key = cfg.digest("model", "data", "sft", "seed")
+    return Path(cfg.output_dir) / "sft" / key
+
+
+def write_config(cfg: Config, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    return path
+
+
+def _distributed(cfg: Config) -> bool:
+    return cfg.deepspeed.nproc > 1 or cfg.deepspeed.hostfile is not None
+
+
+def launcher_command(cfg: Config, stage: str, config_path: Path, *args: str) -> list[str]:
+    """The `deepspeed` launcher command that starts the ranks of one stage."""
+    ds = cfg.deepspeed
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(ds.master_port)]
+    if ds.hostfile:
+        cmd += ["--hostfile", ds.hostfile]
+    else:
+        cmd += ["--num_gpus", str(ds.nproc)]
+    return cmd + ["--module", "grpo.worker", stage, "--config", str(config_path), *args]
+
+
+def run_subprocess(
+    cmd: list[str], log: Callable[[str], None] = print, env: dict[str, str] | None = None
+) -> None:
+    """Run a command, streaming its output line by line; on failure raise with its tail."""
+    full_env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", **(env or {})}
+    tail: deque[str] = deque(maxlen=40)
+    with subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env
+    ) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            tail.append(line)
+            log(line)
+        code = proc.wait()
+    if code != 0:
+        errors = [ln for ln in tail if "Error" in ln or "error" in ln] or list(tail)[-10:]
+        raise StageError(f"{' '.join(cmd[-6:])} exited with {code}:\n" + "\n".join(errors[-15:]))
+
+
+def run_sft(cfg: Config, *, force: bool = False, log: Callable[[str], None] = print) -> Path:
+    """Build the SFT reference (reused when one of the same config and data exists)."""
+    out = reference_dir(cfg)
+    if not cfg.sft.enabled:
+        return out
+    if (out / "config.json").exists() and (out / "sft_summary.json").exists() and not force:
+        log(f"SFT reference cache hit: {out}")
+        return out
+    base = base_model_dir(cfg)
+    if _distributed(cfg):
+        cfg_path = write_config(cfg, out.with_name(out.name + "_config.yaml"))
+        run_subprocess(launcher_command(cfg, "sft", cfg_path, "--base", str(base)), log)
+    else:
+        from grpo.data import training_sets
+        from grpo.sft import train_sft
+
+        summary = train_sft(cfg, base, out, training_sets(cfg))
+        (out / "sft_summary.json").write_text(json.dumps(summary, indent=2))
+    return out
+
+
+def run_grpo(
+    cfg: Config,
+    policy_dir: Path,
+    out_dir: Path,
+    *,
+    resume: bool = False,
+    log: Callable[[str], None] = print,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """GRPO from policy_dir into out_dir (policy/, checkpoints/, metrics.jsonl)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg_path = write_config(cfg, out_dir / "config.yaml")
+    args = ["--policy", str(policy_dir), "--out", str(out_dir)] + (["--resume"] if resume else [])
+    run_subprocess(
+        launcher_command(cfg, "train", cfg_path, *args)
+        if _distributed(cfg)
+        else [sys.executable, "-m", "grpo.worker", "train", "--config", str(cfg_path), *args],
+        log,
+        env,
+    )
+    return json.loads((out_dir / "train_summary.json").read_text())

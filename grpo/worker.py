@@ -1,0 +1,49 @@
+"""Entry point of one rank: `python -m grpo.worker {sft,train} --config resolved.yaml ...`.
+
+Started by DeepSpeed's launcher (one process per GPU or CPU rank) or directly for one rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="grpo.worker")
+    p.add_argument("stage", choices=["sft", "train"])
+    p.add_argument("--config", required=True)
+    p.add_argument("--base")
+    p.add_argument("--policy")
+    p.add_argument("--out")
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--local_rank", type=int, default=None)  # passed by older launchers
+    a = p.parse_args(argv)
+
+    from grpo.config import load_config
+
+    cfg = load_config(a.config)
+    rank = int(os.environ.get("RANK", "0"))
+    if a.stage == "sft":
+        from grpo.data import training_sets
+        from grpo.sft import train_sft
+        from grpo.stages import reference_dir
+
+        out = reference_dir(cfg)
+        summary = train_sft(cfg, a.base, out, training_sets(cfg), progress=rank == 0)
+        if rank == 0:
+            (out / "sft_summary.json").write_text(json.dumps(summary, indent=2))
+    else:
+        from grpo.trainer import train_grpo
+
+        summary = train_grpo(cfg, a.policy, a.out, resume=a.resume)
+        if rank == 0:
+            Path(a.out, "train_summary.json").write_text(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
