@@ -149,3 +149,83 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, float]:
             )
             k *= 2
     return out
+
+
+def paired_difference(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str, float]:
+    """b - a accuracy on the same problems (first sample each), with a 95% normal interval."""
+    ca = {r["id"]: r["correct"] for r in a if r["sample"] == 0}
+    cb = {r["id"]: r["correct"] for r in b if r["sample"] == 0}
+    ids = sorted(set(ca) & set(cb))
+    d = [float(cb[i]) - float(ca[i]) for i in ids]
+    n = len(d)
+    mean = sum(d) / max(n, 1)
+    var = sum((x - mean) ** 2 for x in d) / max(n - 1, 1)
+    half = Z95 * math.sqrt(var / max(n, 1))
+    return {"diff": mean, "ci_low": mean - half, "ci_high": mean + half, "n": float(n)}
+
+
+def evaluate_model(
+    cfg: Config,
+    model_dir: str,
+    sets: list[str],
+    out_dir: str,
+    *,
+    samples: int = 1,
+    limit: int | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Evaluate a model directory on named sets; writes report.json, samples.jsonl, report.md."""
+    import json
+    from pathlib import Path
+
+    from grpo.data import eval_set
+    from grpo.distributed import device_for
+    from grpo.modeling import load_model, load_tokenizer
+
+    device = device_for(cfg)
+    tok = load_tokenizer(model_dir)
+    model = load_model(model_dir, cfg.model.dtype, trainable=False).to(device)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"model": str(model_dir), "sets": {}}
+    all_records = []
+    for name in sets:
+        rows = eval_set(name, cfg)[:limit] if limit else eval_set(name, cfg)
+        recs = generate_for_rows(
+            model, tok, rows, cfg, device, samples=samples, temperature=cfg.eval.temperature,
+            batch_size=cfg.eval.batch_size, max_new_tokens=cfg.eval.max_new_tokens,
+            seed=cfg.seed, progress=progress,
+        )  # fmt: skip
+        for r in recs:
+            r["set"] = name
+        report["sets"][name] = summarize(recs)
+        for key in ("subject", "level"):
+            groups = sorted({str(r[key]) for r in recs if key in r})
+            if groups:
+                report["sets"][name][f"by_{key}"] = {
+                    g: summarize([r for r in recs if str(r.get(key)) == g])["accuracy"]
+                    for g in groups
+                }
+        all_records += recs
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    with (out / "samples.jsonl").open("w") as f:
+        for r in all_records:
+            f.write(json.dumps(r) + "\n")
+    (out / "report.md").write_text(markdown_table(report))
+    return report
+
+
+def markdown_table(report: dict[str, Any]) -> str:
+    lines = [
+        f"Model: `{report['model']}`",
+        "",
+        "| set | problems | accuracy | 95% CI | mean length | truncated |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, m in report["sets"].items():
+        lines.append(
+            f"| {name} | {int(m['num_problems'])} | {m['accuracy']:.3f} | "
+            f"[{m['accuracy_ci_low']:.3f}, {m['accuracy_ci_high']:.3f}] | "
+            f"{m['mean_length']:.1f} | {m['truncation_rate']:.3f} |"
+        )
+    return "\n".join(lines) + "\n"

@@ -111,6 +111,7 @@ def train_sft(
         weight_decay=s.weight_decay, warmup=s.warmup_steps, total_steps=total, schedule="cosine",
     )  # fmt: skip
     out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
     log_path = out_dir.with_name(out_dir.name + "_metrics.jsonl")
     log = log_path.open("w") if rank == 0 else None
     best, bad, step, t0 = math.inf, 0, 0, time.time()
@@ -133,8 +134,8 @@ def train_sft(
             timed_out = max_seconds is not None and elapsed >= max_seconds
             if step % s.eval_every == 0 or timed_out:
                 vl = _val_loss(engine, val, tok.pad_token_id, device, 256)
-                rec = {"step": step, "train_loss": float(loss_sum) / max(n, 1), "val_loss": vl,
-                       "elapsed_s": elapsed}  # fmt: skip
+                train_loss = float(loss_sum.detach()) / max(n, 1)
+                rec = {"step": step, "train_loss": train_loss, "val_loss": vl, "elapsed_s": elapsed}
                 history.append(rec)
                 if log:
                     log.write(json.dumps(rec) + "\n")

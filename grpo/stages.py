@@ -69,7 +69,17 @@ def run_subprocess(
     cmd: list[str], log: Callable[[str], None] = print, env: dict[str, str] | None = None
 ) -> None:
     """Run a command, streaming its output line by line; on failure raise with its tail."""
-    full_env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", **(env or {})}
+    # a rank's own process group settings must not leak into the ranks it starts
+    dist_vars = {
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    }
+    inherited = {k: v for k, v in os.environ.items() if k not in dist_vars}
+    full_env = {**inherited, "OMP_WAIT_POLICY": "PASSIVE", **(env or {})}
     tail: deque[str] = deque(maxlen=40)
     with subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env

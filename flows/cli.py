@@ -1,0 +1,139 @@
+"""`grpo` command line: one subcommand per stage, plus the pipeline, promotion and serving."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _config(a: argparse.Namespace):  # noqa: ANN202
+    from grpo.config import load_config
+
+    sets = list(a.set or [])
+    if getattr(a, "nproc", None):
+        sets.append(f"deepspeed.nproc={a.nproc}")
+    if getattr(a, "hostfile", None):
+        sets.append(f"deepspeed.hostfile={a.hostfile}")
+    return load_config(a.config, sets)
+
+
+def cmd_sft(a: argparse.Namespace) -> None:
+    from grpo.stages import run_sft
+
+    cfg = _config(a)
+    out = run_sft(cfg, force=a.force)
+    print(f"SFT reference: {out}")
+    summary = out / "sft_summary.json"
+    if summary.exists():
+        s = json.loads(summary.read_text())
+        print(f"best validation loss {s['best_val_loss']:.4f} after {s['steps']} steps")
+
+
+def cmd_train(a: argparse.Namespace) -> None:
+    from grpo.stages import reference_dir, run_grpo, run_sft
+
+    cfg = _config(a)
+    policy = Path(a.policy) if a.policy else run_sft(cfg)
+    if not a.policy and not cfg.sft.enabled:
+        policy = reference_dir(cfg)
+    out = Path(a.out) if a.out else cfg.run_dir() / "grpo"
+    summary = run_grpo(cfg, policy, out, resume=a.resume)
+    final = summary["final"]
+    print(f"\nGRPO done in {summary['seconds']:.0f}s: {out / 'policy'}")
+    keys = ("reward", "rewards/accuracy/mean", "kl", "completions/mean_length", "step_time")
+    for k in keys:
+        if k in final:
+            print(f"  {k:28s} {final[k]:.4f}")
+
+
+def cmd_evaluate(a: argparse.Namespace) -> None:
+    from grpo.evaluate import evaluate_model, markdown_table
+
+    cfg = _config(a)
+    model = a.model
+    if model.startswith("models:/"):
+        from tasks.registry import download_model
+
+        model = str(download_model(model, cfg))
+    sets = a.sets.split(",") if a.sets else cfg.eval.sets
+    out = a.out or str(cfg.run_dir() / "eval" / Path(model).name)
+    report = evaluate_model(
+        cfg, model, sets, out, samples=a.samples or cfg.eval.samples, limit=a.limit
+    )
+    print(markdown_table(report))
+    print(f"report: {out}/report.json  samples: {out}/samples.jsonl")
+
+
+def cmd_pipeline(a: argparse.Namespace) -> None:
+    from flows.pipeline import PipelineParams, grpo_pipeline
+
+    grpo_pipeline(PipelineParams(config=a.config, overrides=list(a.set or [])))
+
+
+def cmd_promote(a: argparse.Namespace) -> None:
+    from tasks.registry import promote
+
+    cfg = _config(a)
+    promote(cfg, a.version, alias=a.alias)
+    print(f"{cfg.tracking.registered_model} version {a.version} is now @{a.alias}")
+
+
+def cmd_serve(a: argparse.Namespace) -> None:
+    from flows.serve import serve
+
+    serve(a.config, prefect_port=a.prefect_port, mlflow_port=a.mlflow_port)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="grpo", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def add(name: str, fn, help_: str) -> argparse.ArgumentParser:  # noqa: ANN001
+        sp = sub.add_parser(name, help=help_)
+        sp.add_argument("--config", default="configs/tiny.yaml")
+        sp.add_argument("--set", action="append", metavar="KEY=VALUE", help="config override")
+        sp.set_defaults(fn=fn)
+        return sp
+
+    s = add("sft", cmd_sft, "build the SFT reference policy")
+    s.add_argument("--force", action="store_true", help="rebuild even if cached")
+    t = add("train", cmd_train, "GRPO training (DeepSpeed)")
+    t.add_argument("--nproc", type=int, help="ranks on this node (GPUs or CPU processes)")
+    t.add_argument("--hostfile", help="DeepSpeed hostfile for several nodes")
+    t.add_argument("--policy", help="start from this model directory instead of the SFT ref")
+    t.add_argument("--out", help="run directory (default runs/<run_name>/grpo)")
+    t.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    e = add("evaluate", cmd_evaluate, "evaluate a model on held-out sets")
+    e.add_argument("--model", required=True, help="model directory or models:/NAME@ALIAS")
+    e.add_argument("--sets", help="comma-separated: synthetic,synthetic_ood,gsm8k,math500,PATH")
+    e.add_argument("--samples", type=int)
+    e.add_argument("--limit", type=int)
+    e.add_argument("--out")
+    add("pipeline", cmd_pipeline, "the whole Prefect pipeline")
+    pr = add("promote", cmd_promote, "point an alias (default champion) at a model version")
+    pr.add_argument("--version", required=True)
+    pr.add_argument("--alias", default="champion")
+    sv = add("serve", cmd_serve, "local Prefect + MLflow servers, deployment and worker")
+    sv.add_argument("--prefect-port", type=int, default=4200)
+    sv.add_argument("--mlflow-port", type=int, default=5000)
+    a = p.parse_args(argv)
+    from grpo.config import ConfigError
+    from grpo.data import DataError
+    from grpo.modeling import ModelDirError
+    from grpo.stages import StageError
+
+    try:
+        a.fn(a)
+    except (ConfigError, DataError, ModelDirError, StageError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Model registry: versions with evaluation tags, challenger/champion aliases, a promotion gate."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from grpo.config import Config
+from tasks.tracking import client
+
+
+def register(
+    cfg: Config, run_id: str, artifact_path: str, metrics: dict[str, float]
+) -> dict[str, Any]:
+    """New version from runs:/<run_id>/<artifact_path>; alias challenger; gate for champion."""
+    from mlflow.exceptions import MlflowException
+
+    c = client(cfg)
+    name = cfg.tracking.registered_model
+    try:
+        c.get_registered_model(name)
+    except MlflowException:
+        c.create_registered_model(name, description="GRPO policies from grpo-pipeline")
+    mv = c.create_model_version(name, source=f"runs:/{run_id}/{artifact_path}", run_id=run_id)
+    for k, v in metrics.items():
+        c.set_model_version_tag(name, mv.version, k, f"{v:.6f}")
+    c.set_registered_model_alias(name, "challenger", mv.version)
+    metric = cfg.tracking.promotion_metric
+    candidate = metrics.get(metric)
+    champion = _alias_version(c, name, "champion")
+    promoted, reason = False, ""
+    if champion is None:
+        promoted, reason = True, "first model: champion"
+    elif candidate is None:
+        reason = f"candidate has no {metric}"
+    else:
+        current = float(champion.tags.get(metric, "nan"))
+        margin = cfg.tracking.promotion_margin
+        if current != current or candidate > current + margin:
+            promoted = True
+            reason = (
+                f"{metric} {candidate:.4f} > champion v{champion.version} {current:.4f}+{margin}"
+            )
+        else:
+            reason = (
+                f"{metric} {candidate:.4f} <= champion v{champion.version} {current:.4f}+{margin}"
+            )
+    if promoted:
+        c.set_registered_model_alias(name, "champion", mv.version)
+    c.set_model_version_tag(name, mv.version, "promotion", reason)
+    return {"name": name, "version": mv.version, "champion": promoted, "reason": reason}
+
+
+def _alias_version(c: Any, name: str, alias: str) -> Any:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return c.get_model_version_by_alias(name, alias)
+    except MlflowException:
+        return None
+
+
+def promote(cfg: Config, version: str, alias: str = "champion") -> None:
+    """Manual promotion or rollback: point alias at version."""
+    c = client(cfg)
+    c.get_model_version(cfg.tracking.registered_model, version)  # raises if it does not exist
+    c.set_registered_model_alias(cfg.tracking.registered_model, alias, version)
+
+
+def download_model(uri: str, cfg: Config, dst: str | None = None) -> Path:
+    """A models:/NAME@ALIAS (or /VERSION) URI as a local Hugging Face model directory."""
+    import mlflow
+
+    client(cfg)
+    return Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=dst))

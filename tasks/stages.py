@@ -1,0 +1,209 @@
+"""The five pipeline stages as Prefect tasks, each logging to its own nested MLflow run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+
+from grpo.config import Config
+from tasks import tracking
+
+
+def child_run(cfg: Config, parent_id: str, name: str) -> str:
+    c = tracking.client(cfg)
+    parent = c.get_run(parent_id)
+    run = c.create_run(
+        parent.info.experiment_id,
+        run_name=name,
+        tags={"mlflow.parentRunId": parent_id, "stage": name},
+    )
+    return run.info.run_id
+
+
+def _finish(cfg: Config, run_id: str, ok: bool = True) -> None:
+    tracking.client(cfg).set_terminated(run_id, "FINISHED" if ok else "FAILED")
+
+
+@task(name="validate-data")
+def validate_data(cfg: Config, parent_id: str, run_dir: Path) -> dict[str, Any]:
+    """Great Expectations suites; a failure stops the flow before any training."""
+    import mlflow.data
+    import pandas as pd
+    from mlflow.entities import DatasetInput, InputTag
+
+    from grpo.data import eval_set, training_sets
+    from tasks.validation import DataValidationError, validate_datasets
+
+    run_id = child_run(cfg, parent_id, "validate")
+    c = tracking.client(cfg)
+    docs = run_dir / "data_docs"
+    try:
+        results = validate_datasets(cfg, docs)
+    except DataValidationError as e:
+        c.log_text(run_id, str(e), "validation/errors.txt")
+        if docs.exists():
+            c.log_artifacts(run_id, str(docs), "validation/data_docs")
+        _finish(cfg, run_id, ok=False)
+        raise
+    c.log_dict(run_id, results, "validation/results.json")
+    c.log_artifacts(run_id, str(docs), "validation/data_docs")
+    inputs = []
+    named = {**training_sets(cfg), **{f"heldout_{n}": eval_set(n, cfg) for n in cfg.eval.sets}}
+    for name, rows in named.items():
+        ds = mlflow.data.from_pandas(pd.DataFrame(rows), name=name)
+        context = "training" if not name.startswith("heldout") else "evaluation"
+        tag = InputTag(key="mlflow.data.context", value=context)
+        inputs.append(DatasetInput(dataset=ds._to_mlflow_entity(), tags=[tag]))
+    c.log_inputs(run_id, datasets=inputs)
+    for d in inputs:
+        c.set_tag(parent_id, f"data.digest.{d.dataset.name}", d.dataset.digest)
+    _finish(cfg, run_id)
+    return results
+
+
+@task(name="build-reference")
+def build_reference(cfg: Config, parent_id: str) -> str:
+    """SFT reference, cached by a hash of its config and data (a re-run reuses it)."""
+    from grpo.stages import run_sft
+
+    log = get_run_logger()
+    run_id = child_run(cfg, parent_id, "sft")
+    c = tracking.client(cfg)
+    out = run_sft(cfg, log=log.info)
+    summary_path = out / "sft_summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    c.set_tag(run_id, "cache_key", out.name)
+    rows = tracking.read_jsonl(out.with_name(out.name + "_metrics.jsonl"))
+    tracking.log_step_metrics(c, run_id, rows, prefix="sft/")
+    for k in ("best_val_loss", "steps", "epochs", "seconds"):
+        if k in summary:
+            c.log_metric(run_id, f"sft/{k}", float(summary[k]))
+    c.log_artifacts(run_id, str(out), "reference")
+    _finish(cfg, run_id)
+    return str(out)
+
+
+@task(name="train-grpo", retries=1, retry_delay_seconds=5)
+def train_policy(cfg: Config, parent_id: str, reference: str, run_dir: Path) -> dict[str, Any]:
+    """GRPO ranks as a subprocess (DeepSpeed launcher when distributed), logs streamed.
+
+    A retry resumes from the last checkpoint of the same run directory.
+    """
+    import pandas as pd
+
+    from grpo.stages import run_grpo
+
+    log = get_run_logger()
+    run_id = child_run(cfg, parent_id, "grpo")
+    c = tracking.client(cfg)
+    out = run_dir / "grpo"
+    try:
+        summary = run_grpo(cfg, Path(reference), out, resume=True, log=log.info)
+    except Exception:
+        _finish(cfg, run_id, ok=False)
+        raise
+    rows = tracking.read_jsonl(out / "metrics.jsonl")
+    n = tracking.log_step_metrics(c, run_id, rows)
+    log.info(f"logged {n} step metrics to MLflow run {run_id}")
+    plot = tracking.plot_curves(rows, out / "curves.png", f"GRPO {cfg.run_name}")
+    c.log_artifact(run_id, str(plot), "plots")
+    c.log_artifact(run_id, str(out / "deepspeed_config.json"), "config")
+    c.log_artifact(run_id, str(out / "config.yaml"), "config")
+    samples = tracking.read_jsonl(out / "completions.jsonl")
+    if samples:
+        c.log_table(run_id, data=pd.DataFrame(samples), artifact_file="completions.json")
+    c.log_artifacts(run_id, str(out / "policy"), "policy")
+    _finish(cfg, run_id)
+    return {"policy": str(out / "policy"), "run_id": run_id, "seconds": summary["seconds"]}
+
+
+@task(name="sft-control")
+def sft_control(cfg: Config, parent_id: str, reference: str, seconds: float, run_dir: Path) -> str:
+    """The honest control: the SFT reference trained on for the GRPO stage's wall time."""
+    from grpo.data import training_sets
+    from grpo.sft import train_sft
+
+    run_id = child_run(cfg, parent_id, "sft-control")
+    out = run_dir / "sft_control"
+    summary = train_sft(
+        cfg, reference, out, training_sets(cfg), max_seconds=seconds, early_stop=False,
+        progress=False,
+    )  # fmt: skip
+    c = tracking.client(cfg)
+    rows = tracking.read_jsonl(out.with_name(out.name + "_metrics.jsonl"))
+    tracking.log_step_metrics(c, run_id, rows, prefix="sft_control/")
+    c.log_metric(run_id, "sft_control/seconds", float(summary["seconds"]))
+    _finish(cfg, run_id)
+    return str(out)
+
+
+@task(name="evaluate")
+def evaluate(cfg: Config, parent_id: str, models: dict[str, str], run_dir: Path) -> dict:
+    """Every model on the same held-out problems; paired differences against the reference."""
+    import pandas as pd
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    from grpo.evaluate import evaluate_model, paired_difference
+
+    run_id = child_run(cfg, parent_id, "evaluate")
+    c = tracking.client(cfg)
+    reports, samples = {}, {}
+    for label, path in models.items():
+        out = run_dir / "eval" / label
+        reports[label] = evaluate_model(
+            cfg, path, cfg.eval.sets, str(out), samples=cfg.eval.samples, limit=cfg.eval.limit,
+            progress=False,
+        )  # fmt: skip
+        samples[label] = tracking.read_jsonl(out / "samples.jsonl")
+        c.log_artifacts(run_id, str(out), f"eval/{label}")
+        c.log_table(run_id, data=pd.DataFrame(samples[label]), artifact_file=f"eval/{label}.json")
+    table, metrics = [], {}
+    for s in cfg.eval.sets:
+        row: dict[str, Any] = {"set": s}
+        for label in models:
+            m = reports[label]["sets"][s]
+            row[label] = (
+                f"{m['accuracy']:.3f} [{m['accuracy_ci_low']:.3f}, {m['accuracy_ci_high']:.3f}]"
+            )
+            for k, v in m.items():
+                if isinstance(v, float):
+                    metrics[f"{label}/eval/{s}/{k}"] = v
+        for label in models:
+            if label == "reference":
+                continue
+            d = paired_difference(
+                [r for r in samples["reference"] if r["set"] == s],
+                [r for r in samples[label] if r["set"] == s],
+            )
+            row[f"{label} - ref"] = f"{d['diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]"
+            metrics[f"{label}/eval/{s}/diff_vs_reference"] = d["diff"]
+        table.append(row)
+    for k, v in metrics.items():
+        c.log_metric(run_id, k.replace("@", "_at_"), v)
+        c.log_metric(parent_id, k.replace("@", "_at_"), v)
+    c.log_table(run_id, data=pd.DataFrame(table), artifact_file="comparison.json")
+    create_table_artifact(key="evaluation", table=table, description="held-out accuracy")
+    create_markdown_artifact(key="evaluation-summary", markdown=_markdown(table))
+    _finish(cfg, run_id)
+    return {"table": table, "metrics": metrics, "reports": reports}
+
+
+def _markdown(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return ""
+    cols = list(rows[0])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(r[k]) for k in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+@task(name="register-model", retries=2, retry_delay_seconds=5)
+def register_model(cfg: Config, grpo_run_id: str, metrics: dict[str, float]) -> dict[str, Any]:
+    """Registry version with evaluation tags; challenger always, champion through the gate."""
+    from tasks.registry import register
+
+    own = {k.removeprefix("grpo/"): v for k, v in metrics.items() if k.startswith("grpo/")}
+    return register(cfg, grpo_run_id, "policy", own)

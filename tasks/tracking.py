@@ -1,0 +1,116 @@
+"""MLflow glue: the tracking store, params, batched step metrics, plots, tables.
+
+Runs are addressed by id (never the thread-local active run): Prefect may run tasks in threads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from grpo.config import Config
+
+PROJECT = Path(__file__).resolve().parents[1]
+SECRET_WORDS = ("token", "password", "secret", "key")
+
+
+def tracking_uri(cfg: Config) -> str:
+    """MLFLOW_TRACKING_URI, the config's, or sqlite mlflow.db in the project directory."""
+    return (
+        os.environ.get("MLFLOW_TRACKING_URI")
+        or cfg.tracking.tracking_uri
+        or f"sqlite:///{(PROJECT / 'mlflow.db').resolve()}"
+    )
+
+
+def client(cfg: Config) -> Any:
+    import mlflow
+    from mlflow import MlflowClient
+
+    uri = tracking_uri(cfg)
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=PROJECT, capture_output=True, text=True, timeout=5
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
+def safe_params(cfg: Config) -> dict[str, str]:
+    """Flattened config, with anything that looks like a credential left out."""
+    return {
+        k: str(v)[:500]
+        for k, v in cfg.flat().items()
+        if not any(w in k.lower().split(".")[-1] for w in SECRET_WORDS)
+    }
+
+
+def log_params(c: Any, run_id: str, params: dict[str, str]) -> None:
+    from mlflow.entities import Param
+
+    items = [Param(k, v) for k, v in params.items()]
+    for s in range(0, len(items), 100):
+        c.log_batch(run_id, params=items[s : s + 100])
+
+
+def log_step_metrics(c: Any, run_id: str, rows: list[dict[str, Any]], prefix: str = "") -> int:
+    """Every numeric field of every row as a metric at its step, in batches of 1000."""
+    import math
+    import time
+
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    ms = [
+        Metric(f"{prefix}{k}".replace("@", "_at_"), float(v), now, int(r["step"]))
+        for r in rows
+        for k, v in r.items()
+        if k != "step" and isinstance(v, (int, float)) and math.isfinite(float(v))
+    ]
+    for s in range(0, len(ms), 1000):
+        c.log_batch(run_id, metrics=ms[s : s + 1000])
+    return len(ms)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+
+def plot_curves(rows: list[dict[str, Any]], out: Path, title: str) -> Path:
+    """Reward, held-out accuracy, KL and completion length per step, one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [
+        ("reward", "reward"),
+        ("eval/heldout_accuracy", "held-out accuracy (greedy)"),
+        ("kl", "KL to reference"),
+        ("completions/mean_length", "completion length"),
+    ]
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.2))
+    for ax, (key, label) in zip(axes, panels):
+        pts = [(r["step"], r[key]) for r in rows if key in r]
+        if pts:
+            ax.plot(*zip(*pts), marker="o" if len(pts) < 20 else None)
+        ax.set_title(label)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
