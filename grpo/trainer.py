@@ -235,7 +235,9 @@ class Trainer:
                 for k, v in m.items():
                     sums[k] = sums.get(k, 0.0) + v * w
                 sums["_w"] = sums.get("_w", 0.0) + w
-                sums["loss"] = sums.get("loss", 0.0) + float(loss) * scale / self.n_micro / g.mu
+                sums["loss"] = (
+                    sums.get("loss", 0.0) + float(loss.detach()) * scale / self.n_micro / g.mu
+                )
         keys = sorted(k for k in sums if k not in ("_w", "loss", "active_tokens"))
         tot = all_reduce_sum([sums[k] for k in keys] + [sums["_w"], sums["loss"], nonfinite],
                              self.device)  # fmt: skip

@@ -1,0 +1,35 @@
+"""Small configs shared by the slow tests: the real code paths on a very small model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from grpo.config import Config, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SMALL = [
+    "model.tiny.hidden_size=32",
+    "model.tiny.num_layers=2",
+    "model.tiny.num_heads=2",
+    "model.tiny.num_kv_heads=1",
+    "model.tiny.intermediate_size=64",
+    "data.num_sft=64",
+    "data.num_sft_val=16",
+    "data.num_train=64",
+    "data.num_heldout=24",
+    "data.num_heldout_ood=12",
+    "sft.max_epochs=2",
+    "sft.eval_every=2",
+    "grpo.steps=2",
+    "grpo.prompts_per_step=2",
+    "grpo.num_generations=4",
+    "grpo.max_completion_length=24",
+    "grpo.eval_every=0",
+    "grpo.checkpoint_every=1",
+    "deepspeed.master_port=29631",
+]
+
+
+def small_config(tmp: Path, *extra: str) -> Config:
+    return load_config(ROOT / "configs" / "tiny.yaml", [*SMALL, f"output_dir={tmp}", *extra])

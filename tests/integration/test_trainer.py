@@ -1,0 +1,82 @@
+"""The GRPO trainer on a real tiny Qwen2: one step learns, beta = 0 loads no reference."""
+
+import pytest
+import torch
+
+from grpo.rollout import Rollout
+from grpo.stages import base_model_dir
+from tests.helpers import small_config
+
+pytestmark = pytest.mark.slow
+
+
+def _fixed_rollout(trainer, completions: list[str]) -> Rollout:
+    tok = trainer.tok
+    p = tok(["12+34="] * len(completions), return_tensors="pt", add_special_tokens=False)
+    c = tok(completions, add_special_tokens=False, padding=True, return_tensors="pt")
+    ids = c["input_ids"]
+    # right-pad completions (the tokenizer pads left) and end each with EOS
+    rows, masks = [], []
+    for text in completions:
+        seq = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        rows.append(seq)
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), tok.pad_token_id)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+        mask[i, : len(r)] = 1
+        masks.append(mask[i])
+    return Rollout(
+        p["input_ids"], p["attention_mask"], ids, mask,
+        torch.zeros(len(rows), dtype=torch.bool), torch.zeros(ids.shape),
+    )  # fmt: skip
+
+
+def _seq_logp(trainer, ro: Rollout, i: int) -> float:
+    from grpo.logprobs import token_logprobs
+    from grpo.modeling import completion_logits
+
+    with torch.no_grad():
+        logits = completion_logits(
+            trainer.engine.module, ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
+            ro.completion_mask,
+        )  # fmt: skip
+        lp = token_logprobs(logits, ro.completion_ids) * ro.completion_mask
+    return float(lp[i].sum())
+
+
+def test_one_grpo_update_raises_the_rewarded_completion(tmp_path):
+    from grpo.trainer import Trainer
+
+    cfg = small_config(tmp_path, "grpo.lr=0.01", "grpo.warmup_steps=0")
+    t = Trainer(cfg, base_model_dir(cfg), tmp_path / "grpo")
+    assert t.ref is None  # beta = 0: the reference model is never loaded
+    ro = _fixed_rollout(t, ["<think>4+2=6</think><answer>46</answer>", "<answer>99</answer>"])
+    before = [p.detach().clone() for p in t.engine.module.parameters()]
+    lp_good, lp_bad = _seq_logp(t, ro, 0), _seq_logp(t, ro, 1)
+    m = t.update(ro, torch.tensor([1.0, -1.0]), None)
+    after = list(t.engine.module.parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(before, after))
+    assert _seq_logp(t, ro, 0) > lp_good
+    assert _seq_logp(t, ro, 1) < lp_bad
+    assert m["grad_norm"] > 0 and m["learning_rate"] == pytest.approx(0.01)
+
+
+def test_beta_positive_loads_a_frozen_reference(tmp_path):
+    from grpo.trainer import Trainer
+
+    cfg = small_config(tmp_path, "grpo.beta=0.04")
+    t = Trainer(cfg, base_model_dir(cfg), tmp_path / "grpo")
+    assert t.ref is not None
+    assert not any(p.requires_grad for p in t.ref.parameters())
+
+
+def test_prompt_order_is_deterministic_and_covers_the_epoch():
+    from grpo.trainer import prompt_indices
+
+    seen = [i for s in range(5) for i in prompt_indices(s, 0, 4, 1, 20, seed=3)]
+    assert sorted(seen) == list(range(20))  # one epoch, every prompt once
+    assert prompt_indices(2, 0, 4, 1, 20, 3) == prompt_indices(2, 0, 4, 1, 20, 3)
+    two_ranks = prompt_indices(1, 0, 2, 2, 20, 3) + prompt_indices(1, 1, 2, 2, 20, 3)
+    assert two_ranks == prompt_indices(1, 0, 4, 1, 20, 3)  # ranks split the same global batch
