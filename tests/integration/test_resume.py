@@ -1,0 +1,56 @@
+"""SIGKILL mid-run, then --resume: the same final parameters as an uninterrupted run."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from grpo.stages import base_model_dir, run_subprocess, write_config
+from tests.helpers import small_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.faults]
+
+
+def _cmd(cfg_path: Path, base: Path, out: Path, resume: bool) -> list[str]:
+    cmd = [sys.executable, "-m", "grpo.worker", "train", "--config", str(cfg_path),
+           "--policy", str(base), "--out", str(out)]  # fmt: skip
+    return cmd + (["--resume"] if resume else [])
+
+
+def test_kill_and_resume_matches_uninterrupted_run(tmp_path):
+    cfg = small_config(tmp_path, "grpo.steps=6", "grpo.checkpoint_every=2")
+    base = base_model_dir(cfg)
+    cfg_path = write_config(cfg, tmp_path / "config.yaml")
+    run_subprocess(_cmd(cfg_path, base, tmp_path / "whole", False), log=lambda s: None)
+
+    out = tmp_path / "killed"
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    proc = subprocess.Popen(
+        _cmd(cfg_path, base, out, False), env=env,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    latest = out / "checkpoints" / "latest"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if latest.exists() and latest.read_text().strip() >= "step0000002":
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "policy").exists()  # it really died before the end
+    killed_at = latest.read_text().strip()
+
+    run_subprocess(_cmd(cfg_path, base, out, True), log=lambda s: None)
+    whole = load_file(tmp_path / "whole" / "policy" / "model.safetensors")
+    resumed = load_file(out / "policy" / "model.safetensors")
+    for k in whole:
+        assert torch.equal(whole[k], resumed[k]), (killed_at, k)
+    steps = [line for line in (out / "metrics.jsonl").read_text().splitlines() if line]
+    assert len(steps) == 6  # no duplicated or lost step lines after the resume

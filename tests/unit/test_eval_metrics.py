@@ -1,0 +1,48 @@
+"""pass@k, maj@k and intervals against hand-computed values."""
+
+import math
+
+import pytest
+
+from grpo.evaluate import majority_correct, paired_difference, pass_at_k, summarize, wilson_interval
+
+
+def test_pass_at_k_hand_values():
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 2) == pytest.approx(1 - (3 * 2) / (4 * 3))  # 1 - C(3,2)/C(4,2) = 0.5
+    assert pass_at_k(5, 2, 3) == pytest.approx(1 - 1 / 10)  # C(3,3)/C(5,3) = 1/10
+    assert pass_at_k(4, 0, 4) == 0.0
+    assert pass_at_k(4, 3, 2) == 1.0  # fewer than k wrong: always solved
+    with pytest.raises(ValueError, match="k"):
+        pass_at_k(2, 1, 3)
+
+
+def test_majority_vote_on_a_crafted_case():
+    # answers 7, 5, 5, 7, 5 -> 5 wins 3 to 2; 5 is wrong
+    assert not majority_correct(["7", "5", "5", "7", "5"], [True, False, False, True, False])
+    # a tie goes to the answer seen first
+    assert majority_correct(["7", "5"], [True, False])
+
+
+def test_wilson_interval_hand_value():
+    lo, hi = wilson_interval(8, 10)
+    z = 1.959963984540054
+    centre = (0.8 + z * z / 20) / (1 + z * z / 10)
+    half = z * math.sqrt(0.8 * 0.2 / 10 + z * z / 400) / (1 + z * z / 10)
+    assert (lo, hi) == pytest.approx((centre - half, centre + half))
+    assert wilson_interval(0, 0) == (0.0, 0.0)
+
+
+def _rec(i, s, ok, ans="1"):
+    return {"id": i, "sample": s, "correct": ok, "extracted": ans, "length": 3, "truncated": False}
+
+
+def test_summarize_with_samples_and_paired_difference():
+    recs = [_rec("a", 0, True), _rec("a", 1, False, "2"), _rec("b", 0, False), _rec("b", 1, False)]
+    m = summarize(recs)
+    assert m["accuracy"] == 0.5 and m["mean_accuracy"] == 0.25
+    assert m["pass@2"] == pytest.approx(0.5) and m["pass@1"] == pytest.approx(0.25)
+    b = [_rec("a", 0, True), _rec("b", 0, True)]
+    a = [_rec("a", 0, True), _rec("b", 0, False)]
+    d = paired_difference(a, b)
+    assert d["diff"] == 0.5 and d["n"] == 2
