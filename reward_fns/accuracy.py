@@ -59,8 +59,12 @@ def is_correct(prediction: str, gold: str) -> bool:
 
 
 def gold_parses(gold: str) -> bool:
-    """True when math-verify can parse a gold answer (used by the data checks)."""
-    return bool(_parse(str(gold), wrap=True))
+    """True when math-verify parses a gold answer into math, not only its raw-string fallback.
+
+    >>> gold_parses("\\frac{1}{2}"), gold_parses("}}{{")
+    (True, False)
+    """
+    return any(not isinstance(x, str) for x in _parse(str(gold), wrap=True))
 
 
 def _score_batch(texts: list[str], answers: list[str]) -> list[float]:

@@ -35,7 +35,7 @@ def validate_data(cfg: Config, parent_id: str, run_dir: Path) -> dict[str, Any]:
     from mlflow.entities import DatasetInput, InputTag
 
     from grpo.data import eval_set, training_sets
-    from tasks.validation import DataValidationError, validate_datasets
+    from tasks.validation import DataValidationError, set_label, validate_datasets
 
     run_id = child_run(cfg, parent_id, "validate")
     c = tracking.client(cfg)
@@ -51,7 +51,10 @@ def validate_data(cfg: Config, parent_id: str, run_dir: Path) -> dict[str, Any]:
     c.log_dict(run_id, results, "validation/results.json")
     c.log_artifacts(run_id, str(docs), "validation/data_docs")
     inputs = []
-    named = {**training_sets(cfg), **{f"heldout_{n}": eval_set(n, cfg) for n in cfg.eval.sets}}
+    named = {
+        **training_sets(cfg),
+        **{f"heldout_{set_label(n)}": eval_set(n, cfg) for n in cfg.eval.sets},
+    }
     for name, rows in named.items():
         ds = mlflow.data.from_pandas(pd.DataFrame(rows), name=name)
         context = "training" if not name.startswith("heldout") else "evaluation"

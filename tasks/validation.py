@@ -19,6 +19,12 @@ class DataValidationError(ValueError):
     """A dataset failed its expectation suite."""
 
 
+def set_label(name: str) -> str:
+    """A file-system-safe label for an eval set name or path ('data/my set.jsonl' -> 'my_set')."""
+    stem = Path(name.partition(":")[0]).stem if "/" in name or "." in name else name
+    return re.sub(r"[^A-Za-z0-9_-]", "_", stem)
+
+
 def normalise(text: str) -> str:
     """Text as compared for contamination: lower case, whitespace collapsed."""
     return re.sub(r"\s+", " ", text.strip().lower())
@@ -78,7 +84,7 @@ def validate_datasets(cfg: Config, docs_dir: Path) -> dict[str, Any]:
         datasets["sft"] = (sets["sft"], "sft")
         datasets["sft_val"] = (sets["sft_val"], "sft")
     for name in cfg.eval.sets:
-        datasets[f"heldout_{name}"] = (eval_set(name, cfg), "heldout")
+        datasets[f"heldout_{set_label(name)}"] = (eval_set(name, cfg), "heldout")
 
     ctx = gx.get_context(mode="ephemeral")
     site = "grpo_data_docs"

@@ -1,0 +1,56 @@
+"""Sweep GRPO settings from one SFT reference; held-out accuracy with paired differences.
+
+python benchmarks/sweep.py --reference runs/sft/<key> --set grpo.lr=1e-4 --set ... [--variant ...]
+Each --variant is a ';'-separated list of overrides; results go to benchmarks/sweep_results.jsonl.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from grpo.config import load_config  # noqa: E402
+from grpo.evaluate import evaluate_model, paired_difference  # noqa: E402
+from grpo.stages import run_grpo  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--reference", required=True)
+    p.add_argument("--config", default="configs/tiny.yaml")
+    p.add_argument("--variant", action="append", required=True)
+    p.add_argument("--out", default="runs/sweep")
+    a = p.parse_args()
+    out = Path(a.out)
+    ref_eval = evaluate_model(load_config(a.config), a.reference, ["synthetic", "synthetic_ood"],
+                              str(out / "reference"), progress=False)  # fmt: skip
+    ref_samples = [json.loads(x) for x in (out / "reference" / "samples.jsonl").open()]
+    print("reference", {k: round(v["accuracy"], 3) for k, v in ref_eval["sets"].items()})
+    for i, variant in enumerate(a.variant):
+        overrides = [v for v in variant.split(";") if v]
+        cfg = load_config(a.config, overrides)
+        t = time.time()
+        run_grpo(cfg, Path(a.reference), out / f"v{i}", log=lambda s: None)
+        secs = time.time() - t
+        rep = evaluate_model(cfg, str(out / f"v{i}" / "policy"), ["synthetic", "synthetic_ood"],
+                             str(out / f"v{i}" / "eval"), progress=False)  # fmt: skip
+        samples = [json.loads(x) for x in (out / f"v{i}" / "eval" / "samples.jsonl").open()]
+        res = {"variant": overrides, "seconds": round(secs, 1)}
+        for s in ("synthetic", "synthetic_ood"):
+            d = paired_difference([r for r in ref_samples if r["set"] == s],
+                                  [r for r in samples if r["set"] == s])  # fmt: skip
+            res[s] = round(rep["sets"][s]["accuracy"], 4)
+            res[f"{s}_diff"] = [round(d["diff"], 4), round(d["ci_low"], 4), round(d["ci_high"], 4)]
+        curve = [json.loads(x) for x in (out / f"v{i}" / "metrics.jsonl").open()]
+        res["curve"] = [(r["step"], round(r["eval/heldout_accuracy"], 3)) for r in curve
+                        if "eval/heldout_accuracy" in r]  # fmt: skip
+        print(json.dumps(res), flush=True)
+        with open("benchmarks/sweep_results.jsonl", "a") as f:
+            f.write(json.dumps(res) + "\n")
+
+
+if __name__ == "__main__":
+    main()

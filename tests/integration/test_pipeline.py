@@ -1,0 +1,176 @@
+"""The whole flow through a real temporary Prefect API and a real sqlite MLflow store."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import SMALL
+
+pytestmark = pytest.mark.slow
+
+CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """A fresh sqlite MLflow store and a Prefect test API for this module."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    tmp = tmp_path_factory.mktemp("pipeline")
+    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    old = os.environ.get("MLFLOW_TRACKING_URI")
+    os.environ["MLFLOW_TRACKING_URI"] = uri
+    with prefect_test_harness(server_startup_timeout=120):
+        yield tmp, uri
+    if old is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = old
+
+
+def _overrides(tmp: Path, *extra: str) -> list[str]:
+    return [
+        *SMALL,
+        f"output_dir={tmp / 'runs'}",
+        "grpo.eval_every=1",
+        "grpo.steps=3",
+        "grpo.log_completions_every=1",
+        "tracking.registered_model=tiny-e2e",
+        *extra,
+    ]
+
+
+def test_end_to_end_logs_registers_and_loads(store):
+    from mlflow import MlflowClient
+
+    from flows.pipeline import PipelineParams, grpo_pipeline
+
+    tmp, uri = store
+    result = grpo_pipeline(PipelineParams(config=CONFIG, overrides=_overrides(tmp)))
+    c = MlflowClient(uri, uri)
+    parent = c.get_run(result["parent_run_id"])
+    assert parent.info.status == "FINISHED"
+    assert parent.data.params["grpo.num_generations"] == "4"
+    assert parent.data.tags["git_commit"] and parent.data.tags["data_hash"]
+    children = c.search_runs(
+        [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
+    )
+    by_name = {r.info.run_name: r for r in children}
+    assert {"validate", "sft", "grpo", "sft-control", "evaluate"} <= set(by_name)
+    grpo_run = by_name["grpo"].info.run_id
+    reward = c.get_metric_history(grpo_run, "reward")
+    assert [m.step for m in reward] == [1, 2, 3]
+    assert len(c.get_metric_history(grpo_run, "eval/heldout_accuracy")) == 4  # steps 0..3
+
+    def files(run_id, path=""):
+        out = []
+        for f in c.list_artifacts(run_id, path):
+            out += files(run_id, f.path) if f.is_dir else [f.path]
+        return out
+
+    grpo_files = files(grpo_run)
+    assert "plots/curves.png" in grpo_files
+    assert "completions.json" in grpo_files
+    assert "policy/model.safetensors" in grpo_files and "policy/tokenizer.json" in grpo_files
+    assert "config/deepspeed_config.json" in grpo_files
+    val_files = files(by_name["validate"].info.run_id)
+    assert "validation/data_docs/index.html" in val_files
+    assert by_name["validate"].inputs.dataset_inputs  # datasets with digests
+    eval_files = files(by_name["evaluate"].info.run_id)
+    assert "comparison.json" in eval_files and "eval/grpo/report.json" in eval_files
+    assert "grpo/eval/synthetic/accuracy" in parent.data.metrics
+
+    mv = c.get_model_version_by_alias("tiny-e2e", "champion")
+    assert mv.run_id == grpo_run
+    assert "eval/synthetic/accuracy" in mv.tags
+    assert c.get_model_version_by_alias("tiny-e2e", "challenger").version == mv.version
+
+    # models:/NAME@champion loads and generates
+    from grpo.config import load_config
+    from grpo.modeling import load_model, load_tokenizer
+    from tasks.registry import download_model
+
+    cfg = load_config(CONFIG, _overrides(tmp))
+    path = download_model("models:/tiny-e2e@champion", cfg, str(tmp / "dl"))
+    tok, model = load_tokenizer(path), load_model(path, trainable=False)
+    ids = tok(["12+3="], return_tensors="pt")
+    out = model.generate(**ids, max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert out.shape[1] > ids["input_ids"].shape[1]
+
+
+def test_promotion_gate_keeps_a_better_champion(store):
+    from mlflow import MlflowClient
+
+    from grpo.config import load_config
+    from tasks.registry import promote, register
+
+    tmp, uri = store
+    cfg = load_config(CONFIG, _overrides(tmp, "tracking.registered_model=gate-test"))
+    c = MlflowClient(uri, uri)
+    exp = c.create_experiment("gate")
+    runs = [c.create_run(exp).info.run_id for _ in range(3)]
+    first = register(cfg, runs[0], "policy", {"eval/synthetic/accuracy": 0.6})
+    assert first["champion"]
+    worse = register(cfg, runs[1], "policy", {"eval/synthetic/accuracy": 0.5})
+    assert not worse["champion"] and "<=" in worse["reason"]
+    assert c.get_model_version_by_alias("gate-test", "champion").version == first["version"]
+    assert c.get_model_version_by_alias("gate-test", "challenger").version == worse["version"]
+    better = register(cfg, runs[2], "policy", {"eval/synthetic/accuracy": 0.7})
+    assert better["champion"]
+    promote(cfg, first["version"])  # manual rollback
+    assert c.get_model_version_by_alias("gate-test", "champion").version == first["version"]
+
+
+def test_failing_validation_stops_before_training(store, tmp_path):
+    from mlflow import MlflowClient
+
+    from flows.pipeline import PipelineParams, grpo_pipeline
+    from tasks.validation import DataValidationError
+
+    tmp, uri = store
+    leaked = tmp_path / "leaked.jsonl"
+    # a held-out set that contains a training prompt, and an answer math-verify cannot parse
+    from grpo.config import load_config
+    from grpo.data import training_sets
+
+    cfg = load_config(CONFIG, _overrides(tmp))
+    train_prompt = training_sets(cfg)["train"][0]["prompt"]
+    leaked.write_text(
+        f'{{"id": "x1", "prompt": "{train_prompt}", "answer": "5"}}\n'
+        '{"id": "x2", "prompt": "what?", "answer": "}}{{"}\n'
+    )
+    with pytest.raises(DataValidationError) as err:
+        grpo_pipeline(
+            PipelineParams(config=CONFIG, overrides=_overrides(tmp, f"eval.sets=[{leaked}]"))
+        )
+    msg = str(err.value)
+    assert "in_training_data" in msg and "x1" in msg
+    assert "answer_parses" in msg and "x2" in msg
+    c = MlflowClient(uri, uri)
+    failed = c.search_runs(
+        [e.experiment_id for e in c.search_experiments()], "attributes.status = 'FAILED'"
+    )
+    parent_ids = {r.info.run_id for r in failed if "mlflow.parentRunId" not in r.data.tags}
+    assert parent_ids
+    for pid in parent_ids:
+        kids = c.search_runs(
+            [e.experiment_id for e in c.search_experiments()],
+            f"tags.mlflow.parentRunId = '{pid}'",
+        )
+        assert {r.info.run_name for r in kids} == {"validate"}  # nothing trained
+
+
+def test_sft_reference_cache_hit(tmp_path):
+    from grpo.stages import run_sft
+    from tests.helpers import small_config
+
+    cfg = small_config(tmp_path)
+    messages = []
+    out = run_sft(cfg, log=messages.append)
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    again = run_sft(cfg, log=messages.append)
+    assert again == out and (out / "model.safetensors").stat().st_mtime_ns == stamp
+    assert any("cache hit" in m for m in messages)
+    changed = run_sft(small_config(tmp_path, "sft.lr=0.001"), log=messages.append)
+    assert changed != out  # a different SFT config is a different reference
