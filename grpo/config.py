@@ -106,7 +106,10 @@ class GRPOConfig(_Strict):
     eps_high: float | None = Field(0.28, gt=0)
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
     importance_level: Literal["token", "sequence"] = "token"
-    advantage_mode: Literal["zscore", "center", "loo"] = "zscore"
+    advantage_mode: Literal["zscore", "center", "loo", "process"] = "zscore"
+    process_reward: str = Field(
+        "arithmetic_steps", description="step-level reward for advantage_mode 'process'"
+    )
     mu: int = Field(1, ge=1, description="policy updates per rollout batch")
     micro_batch_size: int = Field(64, gt=0, description="completions per forward/backward")
     dynamic_sampling: bool = Field(False, description="drop zero-std groups and sample again")
@@ -127,6 +130,12 @@ class GRPOConfig(_Strict):
             raise ValueError(
                 f"reward_weights has {len(self.reward_weights)} entries for "
                 f"{len(self.reward_funcs)} reward_funcs"
+            )
+        from reward_fns.process import PROCESS_REWARDS
+
+        if self.process_reward not in PROCESS_REWARDS:
+            raise ValueError(
+                f"process_reward {self.process_reward!r} unknown; use one of {list(PROCESS_REWARDS)}"
             )
         if "soft_overlong" in self.reward_funcs and not (
             0 < self.overlong_cache <= self.max_completion_length

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from grpo import checkpoint
-from grpo.advantages import group_advantages, zero_std_groups
+from grpo.advantages import group_advantages, process_advantages, zero_std_groups
 from grpo.config import Config
 from grpo.data import eval_set, training_sets
 from grpo.distributed import (
@@ -172,6 +172,28 @@ class Trainer:
         ]
         return torch.cat([torch.arange(i * G, (i + 1) * G) for i in order[:P]])
 
+    def process_advantages(self, ro: Rollout, rows: list[dict], texts: list[str]) -> torch.Tensor:
+        """Per-token advantages from step rewards; character offsets mapped to tokens."""
+        from reward_fns.process import PROCESS_REWARDS
+
+        G, C = self.cfg.grpo.num_generations, ro.completion_ids.shape[1]
+        fn = PROCESS_REWARDS[self.cfg.grpo.process_reward]
+        steps = fn(texts, answer=[r["answer"] for r in rows])
+        all_rewards, all_ends = [], []
+        for i, (rewards, char_ends) in enumerate(steps):
+            n = int(ro.lengths[i])
+            # cumulative decoded length after each token: the token holding character c
+            pieces = self.tok.batch_decode(ro.completion_ids[i, :n, None], skip_special_tokens=True)
+            cum, total = [], 0
+            for piece in pieces:
+                total += len(piece)
+                cum.append(total)
+            ends = [min(next((t for t, c in enumerate(cum) if c > e), n - 1), C - 1)
+                    for e in char_ends]  # fmt: skip
+            all_rewards.append(rewards)
+            all_ends.append([max(e, 0) for e in ends])
+        return process_advantages(all_rewards, all_ends, G, C)
+
     @torch.no_grad()
     def reference_logps(self, ro: Rollout) -> torch.Tensor | None:
         if self.ref is None:
@@ -313,7 +335,10 @@ class Trainer:
             ro, rewards = ro.select(keep), rewards[keep]
             per_fn = {k: [v[i] for i in keep.tolist()] for k, v in per_fn.items()}
             texts, rows = [texts[i] for i in keep.tolist()], [rows[i // G] for i in keep.tolist()]
-            adv = group_advantages(rewards, G, g.advantage_mode)
+            if g.advantage_mode == "process":
+                adv = self.process_advantages(ro, rows, texts)  # [N, C]
+            else:
+                adv = group_advantages(rewards, G, g.advantage_mode)  # [N]
             t1 = time.time()
             ref_logps = self.reference_logps(ro)
             t2 = time.time()

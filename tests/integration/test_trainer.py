@@ -80,3 +80,33 @@ def test_prompt_order_is_deterministic_and_covers_the_epoch():
     assert prompt_indices(2, 0, 4, 1, 20, 3) == prompt_indices(2, 0, 4, 1, 20, 3)
     two_ranks = prompt_indices(1, 0, 2, 2, 20, 3) + prompt_indices(1, 1, 2, 2, 20, 3)
     assert two_ranks == prompt_indices(1, 0, 4, 1, 20, 3)  # ranks split the same global batch
+
+
+def test_process_supervision_and_dynamic_sampling_steps_run(tmp_path):
+    from grpo.trainer import Trainer
+
+    cfg = small_config(
+        tmp_path, "grpo.advantage_mode=process", "grpo.dynamic_sampling=true",
+        "grpo.max_sampling_rounds=2", "grpo.steps=2", "grpo.mu=2",
+    )  # fmt: skip
+    out = Trainer(cfg, base_model_dir(cfg), tmp_path / "grpo").train(progress=False)
+    m = out["final"]
+    assert m["step"] == 2 and m["grad_norm"] >= 0
+    assert (tmp_path / "grpo" / "policy" / "model.safetensors").exists()
+
+
+def test_process_advantages_map_characters_to_tokens(tmp_path):
+    from grpo.trainer import Trainer
+
+    cfg = small_config(tmp_path, "grpo.advantage_mode=process", "grpo.num_generations=2")
+    t = Trainer(cfg, base_model_dir(cfg), tmp_path / "grpo")
+    texts = ["<think>1+2=3</think><answer>3</answer>", "<think>1+2=4</think><answer>4</answer>"]
+    ro = _fixed_rollout(t, texts)
+    adv = t.process_advantages(ro, [{"answer": "3"}] * 2, texts)
+    # pooled step rewards (1, 1, 0, 0): mean 0.5, std 0.5 -> +1 / -1 (up to eps)
+    # completion 0: step "1+2=3" ends at token 5 (<think> is one token), answer at the end
+    assert adv[0, 0].item() == pytest.approx(2.0, rel=1e-3)  # both steps end at/after t=0
+    assert adv[0, 6].item() == pytest.approx(1.0, rel=1e-3)  # only the final-answer step
+    assert adv[1, 0].item() == pytest.approx(-2.0, rel=1e-3)
+    n0 = int(ro.lengths[0])
+    assert adv[0, n0:].abs().sum() == 0  # after the last step end (the EOS) nothing
