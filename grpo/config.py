@@ -135,7 +135,8 @@ class GRPOConfig(_Strict):
 
         if self.process_reward not in PROCESS_REWARDS:
             raise ValueError(
-                f"process_reward {self.process_reward!r} unknown; use one of {list(PROCESS_REWARDS)}"
+                f"process_reward {self.process_reward!r} unknown; "
+                f"use one of {list(PROCESS_REWARDS)}"
             )
         if "soft_overlong" in self.reward_funcs and not (
             0 < self.overlong_cache <= self.max_completion_length
