@@ -23,6 +23,7 @@ def main() -> None:
     p.add_argument("--config", default="configs/tiny.yaml")
     p.add_argument("--variant", action="append", required=True)
     p.add_argument("--out", default="runs/sweep")
+    p.add_argument("--control", action="store_true", help="also SFT continued for GRPO's time")
     a = p.parse_args()
     out = Path(a.out)
     ref_eval = evaluate_model(load_config(a.config), a.reference, ["synthetic", "synthetic_ood"],
@@ -44,6 +45,15 @@ def main() -> None:
                                   [r for r in samples if r["set"] == s])  # fmt: skip
             res[s] = round(rep["sets"][s]["accuracy"], 4)
             res[f"{s}_diff"] = [round(d["diff"], 4), round(d["ci_low"], 4), round(d["ci_high"], 4)]
+        if a.control:
+            from grpo.data import training_sets
+            from grpo.sft import train_sft
+
+            ctl = out / f"v{i}_control"
+            train_sft(cfg, a.reference, ctl, training_sets(cfg), max_seconds=secs,
+                      early_stop=False, progress=False)  # fmt: skip
+            crep = evaluate_model(cfg, str(ctl), ["synthetic"], str(ctl) + "_eval", progress=False)
+            res["control_synthetic"] = round(crep["sets"]["synthetic"]["accuracy"], 4)
         curve = [json.loads(x) for x in (out / f"v{i}" / "metrics.jsonl").open()]
         res["curve"] = [(r["step"], round(r["eval/heldout_accuracy"], 3)) for r in curve
                         if "eval/heldout_accuracy" in r]  # fmt: skip

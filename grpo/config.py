@@ -117,6 +117,9 @@ class GRPOConfig(_Strict):
     reward_funcs: list[str] = ["accuracy", "format"]
     reward_weights: list[float] = [1.0, 0.1]
     overlong_cache: int = Field(0, ge=0, description="soft_overlong: length of the penalty ramp")
+    reward_timeout_s: float = Field(
+        60.0, gt=0, description="time limit per call of a user reward function"
+    )
     checkpoint_every: int = Field(50, gt=0)
     keep_checkpoints: int = Field(2, ge=1)
     log_completions_every: int = Field(25, gt=0)

@@ -37,6 +37,7 @@ from grpo.loss import policy_loss
 from grpo.modeling import completion_logits, encode_prompts, load_model, load_tokenizer
 from grpo.rollout import Rollout, generate
 from reward_fns import resolve, score
+from reward_fns.registry import BUILTIN, with_time_limit
 
 
 def _seed(*parts: int) -> int:
@@ -105,11 +106,15 @@ class Trainer:
             if g.beta > 0
             else None
         )
-        self.reward_funcs = {
-            name: resolve(name, max_completion_length=g.max_completion_length,
-                          overlong_cache=g.overlong_cache)
-            for name in g.reward_funcs
-        }  # fmt: skip
+        self.reward_funcs = {}
+        for name in g.reward_funcs:
+            fn = resolve(
+                name, max_completion_length=g.max_completion_length, overlong_cache=g.overlong_cache
+            )
+            key = name.rpartition(":")[2]
+            self.reward_funcs[key] = (
+                fn if name in BUILTIN else with_time_limit(key, fn, g.reward_timeout_s)
+            )
         self.train_rows = training_sets(cfg)["train"]
         self.eval_rows: list[dict] = []
         if g.eval_every and cfg.eval.sets:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ from reward_fns.accuracy import accuracy
 from reward_fns.format import format_reward, soft_overlong_penalty
 
 RewardFn = Callable[..., list]
+BUILTIN = ("accuracy", "format", "soft_overlong")
 
 
 class RewardFunctionError(RuntimeError):
@@ -45,9 +47,43 @@ def resolve(name: str, *, max_completion_length: int = 0, overlong_cache: int = 
     )
 
 
+def with_time_limit(name: str, fn: RewardFn, seconds: float) -> RewardFn:
+    """Wrap a reward function so a call that hangs raises instead of stalling the run.
+
+    The call runs in a daemon thread: a hung thread cannot be killed, but the step fails with a
+    clear error and the process can exit. Built-in functions bound their own time
+    (math-verify limits) and are not wrapped.
+    """
+
+    def limited(completions: Sequence[Any], **columns: Any) -> list:
+        box: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                box["out"] = fn(completions, **columns)
+            except Exception as e:  # noqa: BLE001 - re-raised in the caller's thread
+                box["err"] = e
+
+        t = threading.Thread(target=target, daemon=True, name=f"reward-{name}")
+        t.start()
+        t.join(seconds)
+        if t.is_alive():
+            raise RewardFunctionError(
+                f"reward function {name!r} did not return within {seconds:g}s "
+                f"({len(completions)} completions)"
+            )
+        if "err" in box:
+            raise box["err"]
+        return box["out"]
+
+    return limited
+
+
 def _call(name: str, fn: RewardFn, completions: Sequence[Any], columns: Mapping) -> list:
     try:
         out = list(fn(completions, **columns))
+    except RewardFunctionError:
+        raise
     except Exception as batch_error:
         # find the first completion that makes it fail, so the error can name it
         for i in range(len(completions)):

@@ -1,0 +1,23 @@
+"""Reward functions that misbehave on purpose, loaded by import path like a user's own."""
+
+import os
+import signal
+import time
+
+_calls = {"n": 0}
+
+
+def hang(completions, **kw):
+    time.sleep(3600)
+
+
+def overflow(completions, **kw):
+    # float32 overflows once a few of these are summed over tokens: a non-finite loss
+    return [3e38 if i % 2 else -3e38 for i in range(len(completions))]
+
+
+def kill_rank1_at_step3(completions, **kw):
+    _calls["n"] += 1
+    if os.environ.get("RANK") == "1" and _calls["n"] == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return [0.0] * len(completions)
