@@ -48,6 +48,8 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{p}: line {n}: not valid JSON: {e.msg}") from e
+        except RecursionError as e:
+            raise DataError(f"{p}: line {n}: JSON nested too deeply") from e
         if not isinstance(row, dict):
             raise DataError(f"{p}: line {n}: expected a JSON object, got {type(row).__name__}")
         rows.append(row)

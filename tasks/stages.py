@@ -103,14 +103,25 @@ def train_policy(cfg: Config, parent_id: str, reference: str, run_dir: Path) -> 
     run_id = child_run(cfg, parent_id, "grpo")
     c = tracking.client(cfg)
     out = run_dir / "grpo"
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    monitor = SystemMetricsMonitor(
+        run_id, sampling_interval=5, tracking_uri=tracking.tracking_uri(cfg)
+    )
+    monitor.start()
+    # metrics reach MLflow while the ranks train; the JSONL file is the buffer
+    streamer = tracking.MetricsStreamer(cfg, run_id, out / "metrics.jsonl")
     try:
-        summary = run_grpo(cfg, Path(reference), out, resume=True, log=log.info)
+        with streamer:
+            summary = run_grpo(cfg, Path(reference), out, resume=True, log=log.info)
     except Exception:
         _finish(cfg, run_id, ok=False)
         raise
+    finally:
+        monitor.finish()
+    n = streamer.drain()
+    log.info(f"{n} step metric rows in MLflow run {run_id} ({streamer.failures} failed uploads)")
     rows = tracking.read_jsonl(out / "metrics.jsonl")
-    n = tracking.log_step_metrics(c, run_id, rows)
-    log.info(f"logged {n} step metrics to MLflow run {run_id}")
     plot = tracking.plot_curves(rows, out / "curves.png", f"GRPO {cfg.run_name}")
     c.log_artifact(run_id, str(plot), "plots")
     c.log_artifact(run_id, str(out / "deepspeed_config.json"), "config")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +67,6 @@ def log_params(c: Any, run_id: str, params: dict[str, str]) -> None:
 def log_step_metrics(c: Any, run_id: str, rows: list[dict[str, Any]], prefix: str = "") -> int:
     """Every numeric field of every row as a metric at its step, in batches of 1000."""
     import math
-    import time
 
     from mlflow.entities import Metric
 
@@ -114,3 +114,72 @@ def plot_curves(rows: list[dict[str, Any]], out: Path, title: str) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+class MetricsStreamer:
+    """Uploads new lines of a metrics JSONL file to an MLflow run while training runs.
+
+    The file is the source of truth: a line is marked sent only after MLflow accepted it, so a
+    tracking server that is unreachable for a while delays the upload and loses nothing.
+    """
+
+    def __init__(self, cfg: Config, run_id: str, path: Path, interval_s: float = 10.0) -> None:
+        import threading
+
+        self.cfg, self.run_id, self.path, self.interval = cfg, run_id, path, interval_s
+        self.offset = 0
+        self.sent = 0
+        self.failures = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="metrics-streamer")
+
+    def __enter__(self) -> MetricsStreamer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.flush(raise_errors=False)
+
+    def flush(self, raise_errors: bool = True) -> int:
+        """Send what is new; returns the number of rows sent."""
+        from mlflow.exceptions import MlflowException
+
+        if not self.path.exists():
+            return 0
+        with self.path.open("rb") as f:
+            f.seek(self.offset)
+            chunk = f.read()
+        end = chunk.rfind(b"\n") + 1  # only whole lines
+        if end == 0:
+            return 0
+        rows = [json.loads(x) for x in chunk[:end].decode().splitlines() if x.strip()]
+        try:
+            log_step_metrics(client(self.cfg), self.run_id, rows)
+        except (MlflowException, OSError) as e:
+            self.failures += 1
+            if raise_errors:
+                raise
+            print(f"MLflow upload failed ({type(e).__name__}); {len(rows)} rows kept for later")
+            return 0
+        self.offset += end
+        self.sent += len(rows)
+        return len(rows)
+
+    def drain(self, attempts: int = 5, delay_s: float = 5.0) -> int:
+        """Final upload with retries: the server may still be coming back."""
+        from mlflow.exceptions import MlflowException
+
+        for i in range(attempts):
+            try:
+                self.flush(raise_errors=True)
+                return self.sent
+            except (MlflowException, OSError):
+                if i == attempts - 1:
+                    raise
+                time.sleep(delay_s * (i + 1))
+        return self.sent

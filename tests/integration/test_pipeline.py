@@ -174,3 +174,32 @@ def test_sft_reference_cache_hit(tmp_path):
     assert any("cache hit" in m for m in messages)
     changed = run_sft(small_config(tmp_path, "sft.lr=0.001"), log=messages.append)
     assert changed != out  # a different SFT config is a different reference
+
+
+def test_metrics_survive_an_unreachable_tracking_server(tmp_path, store):
+    """Uploads fail while the server is away; nothing is lost once it is back."""
+    import json
+
+    from mlflow import MlflowClient
+
+    from grpo.config import load_config
+    from tasks.tracking import MetricsStreamer
+
+    _, uri = store
+    cfg = load_config(CONFIG, _overrides(tmp_path))
+    c = MlflowClient(uri, uri)
+    run_id = c.create_run(c.create_experiment("outage")).info.run_id
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "reward": s / 10}) + "\n" for s in (1, 2)))
+    os.environ["MLFLOW_TRACKING_URI"] = "http://127.0.0.1:9"  # nothing listens there
+    os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
+    try:
+        s = MetricsStreamer(cfg, run_id, path)
+        assert s.flush(raise_errors=False) == 0 and s.failures == 1
+        with path.open("a") as f:  # training goes on meanwhile
+            f.write(json.dumps({"step": 3, "reward": 0.3}) + "\n")
+    finally:
+        os.environ["MLFLOW_TRACKING_URI"] = uri
+        os.environ.pop("MLFLOW_HTTP_REQUEST_MAX_RETRIES")
+    assert s.drain(attempts=2, delay_s=0.1) == 3
+    assert [m.step for m in c.get_metric_history(run_id, "reward")] == [1, 2, 3]
