@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+CLIENT_KEYS = ("step", "data_position", "rng")
+
 
 def rng_state() -> dict[str, Any]:
     return {"python": random.getstate(), "torch": torch.get_rng_state()}
@@ -66,4 +68,5 @@ def load(engine: Any, root: Path) -> dict[str, Any] | None:
     )
     if path is None:
         raise RuntimeError(f"{root / tag}: checkpoint could not be loaded")
-    return client
+    # DeepSpeed returns its own bookkeeping too; hand back only what we stored
+    return {k: client[k] for k in CLIENT_KEYS if k in client}

@@ -48,9 +48,11 @@ def git_commit() -> str:
 
 
 def safe_params(cfg: Config) -> dict[str, str]:
-    """Flattened config, with anything that looks like a credential left out."""
+    """Flattened config: keys that look like credentials left out, URL passwords masked."""
+    import re
+
     return {
-        k: str(v)[:500]
+        k: re.sub(r"://[^/@\s]+@", "://***@", str(v))[:500]
         for k, v in cfg.flat().items()
         if not any(w in k.lower().split(".")[-1] for w in SECRET_WORDS)
     }

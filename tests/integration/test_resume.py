@@ -54,3 +54,33 @@ def test_kill_and_resume_matches_uninterrupted_run(tmp_path):
         assert torch.equal(whole[k], resumed[k]), (killed_at, k)
     steps = [line for line in (out / "metrics.jsonl").read_text().splitlines() if line]
     assert len(steps) == 6  # no duplicated or lost step lines after the resume
+
+
+def test_a_kill_during_checkpoint_write_leaves_the_previous_one_usable(tmp_path):
+    from grpo import checkpoint
+    from grpo.trainer import Trainer
+
+    cfg = small_config(tmp_path, "grpo.steps=2", "grpo.checkpoint_every=2")
+    t = Trainer(cfg, base_model_dir(cfg), tmp_path / "grpo")
+    t.train(progress=False)
+    root = tmp_path / "grpo" / "checkpoints"
+    assert checkpoint.latest_tag(root) == "step0000002"
+    # what a kill in the middle of DeepSpeed's write leaves: a partial temporary tag
+    partial = root / "step0000004.tmp"
+    partial.mkdir()
+    (partial / "mp_rank_00_model_states.pt").write_bytes(b"\x00" * 10)
+    client = checkpoint.load(t.engine, root)
+    assert client["step"] == 2
+    checkpoint.save(t.engine, root, 4, client, rank=0, keep=1)
+    assert checkpoint.latest_tag(root) == "step0000004"
+    assert not partial.exists() and not (root / "step0000002").exists()  # keep=1
+
+
+def test_secrets_never_become_mlflow_params(tmp_path):
+    from tasks.tracking import safe_params
+
+    cfg = small_config(tmp_path, "tracking.tracking_uri=http://user:pw@host:5000")
+    params = safe_params(cfg)
+    assert "grpo.lr" in params
+    assert not any(k.endswith(("token", "password", "secret")) for k in params)
+    assert all("pw@" not in v for v in params.values())
