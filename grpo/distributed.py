@@ -11,6 +11,7 @@ import json
 import math
 import os
 import socket
+import tempfile
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -33,13 +34,22 @@ def init_distributed(timeout_s: int) -> tuple[int, int]:
     import deepspeed
     import torch.distributed as dist
 
+    init_method = None
     if "RANK" not in os.environ:  # a single process started without a launcher
         os.environ.update(
             RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
         )  # fmt: skip
+        # a file rendezvous: no TCP port that a neighbouring process could take first
+        fd, store = tempfile.mkstemp(prefix="grpo-dist-")
+        os.close(fd)
+        os.remove(store)
+        init_method = f"file://{store}"
     if not dist.is_initialized():
-        deepspeed.init_distributed(timeout=timedelta(seconds=timeout_s))
+        deepspeed.init_distributed(
+            timeout=timedelta(seconds=timeout_s), init_method=init_method, rank=0 if init_method
+            else -1, world_size=1 if init_method else -1,
+        )  # fmt: skip
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -31,17 +31,17 @@ def test_kill_and_resume_matches_uninterrupted_run(tmp_path):
 
     out = tmp_path / "killed"
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    log = (tmp_path / "killed.log").open("w")
     proc = subprocess.Popen(
-        _cmd(cfg_path, base, out, False), env=env,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        _cmd(cfg_path, base, out, False), env=env, stdout=log, stderr=subprocess.STDOUT
+    )
     latest = out / "checkpoints" / "latest"
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
         if latest.exists() and latest.read_text().strip() >= "step0000002":
             break
         time.sleep(0.05)
-    assert proc.poll() is None, "the run ended before it could be killed"
+    assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (out / "policy").exists()  # it really died before the end
