@@ -63,11 +63,27 @@ def cmd_evaluate(a: argparse.Namespace) -> None:
         model = str(download_model(model, cfg))
     sets = a.sets.split(",") if a.sets else cfg.eval.sets
     out = a.out or str(cfg.run_dir() / "eval" / Path(model).name)
-    report = evaluate_model(
-        cfg, model, sets, out, samples=a.samples or cfg.eval.samples, limit=a.limit
-    )
+    samples = a.samples or cfg.eval.samples
+    report = evaluate_model(cfg, model, sets, out, samples=samples, limit=a.limit)
     print(markdown_table(report))
     print(f"report: {out}/report.json  samples: {out}/samples.jsonl")
+    if a.baseline:
+        from grpo.evaluate import paired_difference
+
+        base_out = f"{out}_baseline"
+        evaluate_model(cfg, a.baseline, sets, base_out, samples=samples, limit=a.limit)
+        mine = [json.loads(x) for x in Path(out, "samples.jsonl").open()]
+        theirs = [json.loads(x) for x in Path(base_out, "samples.jsonl").open()]
+        print(f"\n{model} - {a.baseline} (same problems and samples, paired 95% CI):")
+        for s in sets:
+            d = paired_difference(
+                [r for r in theirs if r["set"] == s], [r for r in mine if r["set"] == s]
+            )
+            print(f"  {s:16s} {d['diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]")
+    if os.environ.get("MLFLOW_RUN_ID"):  # inside an active MLflow run: log there too
+        from tasks.tracking import log_evaluation
+
+        log_evaluation(cfg, os.environ["MLFLOW_RUN_ID"], report, Path(out))
 
 
 def cmd_pipeline(a: argparse.Namespace) -> None:
@@ -115,6 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     e.add_argument("--samples", type=int)
     e.add_argument("--limit", type=int)
     e.add_argument("--out")
+    e.add_argument("--baseline", help="second model evaluated on the same problems and samples")
     add("pipeline", cmd_pipeline, "the whole Prefect pipeline")
     pr = add("promote", cmd_promote, "point an alias (default champion) at a model version")
     pr.add_argument("--version", required=True)

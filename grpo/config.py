@@ -164,6 +164,7 @@ class EvalConfig(_Strict):
     limit: int | None = Field(None, gt=0)
     batch_size: int = Field(256, gt=0)
     max_new_tokens: int | None = Field(None, gt=0, description="None: max_completion_length")
+    few_shot: int = Field(0, ge=0, description="worked SFT examples placed before each prompt")
 
 
 class TrackingConfig(_Strict):

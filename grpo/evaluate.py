@@ -189,8 +189,11 @@ def evaluate_model(
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"model": str(model_dir), "sets": {}}
     all_records = []
+    shots = few_shot_prefix(cfg)
     for name in sets:
         rows = eval_set(name, cfg)[:limit] if limit else eval_set(name, cfg)
+        if shots:
+            rows = [{**r, "prompt": shots + r["prompt"]} for r in rows]
         recs = generate_for_rows(
             model, tok, rows, cfg, device, samples=samples, temperature=cfg.eval.temperature,
             batch_size=cfg.eval.batch_size, max_new_tokens=cfg.eval.max_new_tokens,
@@ -213,6 +216,18 @@ def evaluate_model(
             f.write(json.dumps(r) + "\n")
     (out / "report.md").write_text(markdown_table(report))
     return report
+
+
+def few_shot_prefix(cfg: Config) -> str:
+    """k worked examples from the SFT set, each prompt + solution, before the real prompt."""
+    if not cfg.eval.few_shot:
+        return ""
+    from grpo.data import DataError, training_sets
+
+    sft = training_sets(cfg).get("sft", [])
+    if len(sft) < cfg.eval.few_shot:
+        raise DataError(f"eval.few_shot={cfg.eval.few_shot} but only {len(sft)} SFT examples")
+    return "".join(r["prompt"] + r["solution"] + "\n" for r in sft[: cfg.eval.few_shot])
 
 
 def markdown_table(report: dict[str, Any]) -> str:

@@ -172,8 +172,7 @@ def evaluate(cfg: Config, parent_id: str, models: dict[str, str], run_dir: Path)
             progress=False,
         )  # fmt: skip
         samples[label] = tracking.read_jsonl(out / "samples.jsonl")
-        c.log_artifacts(run_id, str(out), f"eval/{label}")
-        c.log_table(run_id, data=pd.DataFrame(samples[label]), artifact_file=f"eval/{label}.json")
+        tracking.log_evaluation(cfg, run_id, reports[label], out, prefix=f"{label}/")
     table, metrics = [], {}
     for s in cfg.eval.sets:
         row: dict[str, Any] = {"set": s}
@@ -195,9 +194,12 @@ def evaluate(cfg: Config, parent_id: str, models: dict[str, str], run_dir: Path)
             row[f"{label} - ref"] = f"{d['diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]"
             metrics[f"{label}/eval/{s}/diff_vs_reference"] = d["diff"]
         table.append(row)
+    # the comparison on the parent run too: the runs list of the MLflow UI shows it directly
     for k, v in metrics.items():
-        c.log_metric(run_id, k.replace("@", "_at_"), v)
         c.log_metric(parent_id, k.replace("@", "_at_"), v)
+    for k, v in metrics.items():
+        if k.endswith("diff_vs_reference"):
+            c.log_metric(run_id, k, v)
     c.log_table(run_id, data=pd.DataFrame(table), artifact_file="comparison.json")
     create_table_artifact(key="evaluation", table=table, description="held-out accuracy")
     create_markdown_artifact(key="evaluation-summary", markdown=_markdown(table))

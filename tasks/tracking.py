@@ -185,3 +185,20 @@ class MetricsStreamer:
                     raise
                 time.sleep(delay_s * (i + 1))
         return self.sent
+
+
+def log_evaluation(
+    cfg: Config, run_id: str, report: dict[str, Any], out_dir: Path, prefix: str = ""
+) -> None:
+    """eval/<set>/<metric> metrics, the per-sample table and the report files."""
+    import pandas as pd
+
+    c = client(cfg)
+    for s, m in report["sets"].items():
+        for k, v in m.items():
+            if isinstance(v, float):
+                c.log_metric(run_id, f"{prefix}eval/{s}/{k}".replace("@", "_at_"), v)
+    samples = read_jsonl(out_dir / "samples.jsonl")
+    if samples:
+        c.log_table(run_id, data=pd.DataFrame(samples), artifact_file=f"{prefix}eval/samples.json")
+    c.log_artifacts(run_id, str(out_dir), f"{prefix}eval")

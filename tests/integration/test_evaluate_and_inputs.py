@@ -93,8 +93,9 @@ def test_cli_evaluate_on_gsm8k(tmp_path):
     model = base_model_dir(cfg)
     out = subprocess.run(
         [sys.executable, "-m", "flows.cli", "evaluate", "--model", str(model), "--sets", "gsm8k",
-         "--limit", "50", "--out", str(tmp_path / "e")],
+         "--limit", "50", "--out", str(tmp_path / "e"), "--baseline", str(model)],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert "| gsm8k | 50 |" in out.stdout
+    assert "gsm8k            +0.000 [+0.000, +0.000]" in out.stdout  # a model against itself

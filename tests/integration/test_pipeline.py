@@ -78,7 +78,7 @@ def test_end_to_end_logs_registers_and_loads(store):
     assert "validation/data_docs/index.html" in val_files
     assert by_name["validate"].inputs.dataset_inputs  # datasets with digests
     eval_files = files(by_name["evaluate"].info.run_id)
-    assert "comparison.json" in eval_files and "eval/grpo/report.json" in eval_files
+    assert "comparison.json" in eval_files and "grpo/eval/report.json" in eval_files
     assert "grpo/eval/synthetic/accuracy" in parent.data.metrics
 
     mv = c.get_model_version_by_alias("tiny-e2e", "champion")
