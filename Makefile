@@ -38,5 +38,9 @@ test-fast: install
 serve: install
 	$(VENV)/bin/grpo serve --config $(CONFIG)
 
+bench: install
+	$(PY) -m pip install -q -c constraints.txt -e '.[bench]'
+	$(PY) benchmarks/vs_trl.py
+
 clean:
 	rm -rf runs mlflow.db mlartifacts .prefect
