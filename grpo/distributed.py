@@ -96,6 +96,24 @@ def lr_lambda(warmup: int, total: int, schedule: str):  # noqa: ANN201 - Callabl
     return f
 
 
+def time_cosine(warmup: int, seconds: float):  # noqa: ANN201 - Callable[[int], float]
+    """Warmup by steps, then cosine decay over wall-clock time: a run given a time budget
+    (the SFT control) anneals fully by its end, however many steps fit."""
+    import time
+
+    start: list[float] = []
+
+    def f(step: int) -> float:
+        if not start:
+            start.append(time.time())
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (time.time() - start[0]) / seconds)
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return f
+
+
 def build_engine(
     model: torch.nn.Module,
     cfg: Config,
@@ -107,6 +125,7 @@ def build_engine(
     warmup: int,
     total_steps: int,
     schedule: str,
+    lr_fn: Any = None,
 ) -> tuple[Any, dict[str, Any]]:
     """deepspeed.initialize for a trainable policy; returns (engine, the DeepSpeed config)."""
     import deepspeed
@@ -119,7 +138,7 @@ def build_engine(
         model=model,
         model_parameters=[p for p in model.parameters() if p.requires_grad],
         config=copy.deepcopy(ds),
-        lr_scheduler=lambda opt: LambdaLR(opt, lr_lambda(warmup, total_steps, schedule)),
+        lr_scheduler=lambda opt: LambdaLR(opt, lr_fn or lr_lambda(warmup, total_steps, schedule)),
     )
     return engine, ds
 

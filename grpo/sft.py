@@ -24,6 +24,7 @@ from grpo.distributed import (
     device_for,
     init_distributed,
     save_policy,
+    time_cosine,
 )
 from grpo.modeling import load_model, load_tokenizer, render_prompt
 
@@ -109,6 +110,7 @@ def train_sft(
     engine, _ = build_engine(
         model, cfg, micro_batch=s.batch_size // world, grad_accum=1, lr=s.lr,
         weight_decay=s.weight_decay, warmup=s.warmup_steps, total_steps=total, schedule="cosine",
+        lr_fn=time_cosine(s.warmup_steps, max_seconds) if max_seconds else None,
     )  # fmt: skip
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
