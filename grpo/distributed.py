@@ -194,3 +194,7 @@ def save_policy(engine: Any, tokenizer: Any, out: Path, rank: int, zero_stage: i
     with ctx:
         if rank == 0:
             save_model_dir(engine.module, tokenizer, out)
+
+
+# progress bars redraw often on a terminal, but every redraw is a log line in Prefect/CI logs
+BAR_INTERVAL = 0.2 if os.isatty(2) else 15.0

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from grpo.config import Config
+from grpo.distributed import BAR_INTERVAL
 from grpo.modeling import encode_prompts
 from grpo.rollout import generate
 from reward_fns import accuracy, extract_answer
@@ -76,7 +77,10 @@ def generate_for_rows(
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]["prompt"]))
     per_batch = max(1, batch_size // samples)
     records: list[dict[str, Any]] = []
-    bar = tqdm(total=len(rows), desc="evaluate", unit="problem", disable=not progress)
+    bar = tqdm(
+        total=len(rows), desc="evaluate", unit="problem", disable=not progress,
+        mininterval=BAR_INTERVAL,
+    )  # fmt: skip
     for b, start in enumerate(range(0, len(order), per_batch)):
         idx = order[start : start + per_batch]
         batch = [rows[i] for i in idx]

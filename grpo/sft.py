@@ -19,6 +19,7 @@ import torch
 
 from grpo.config import Config
 from grpo.distributed import (
+    BAR_INTERVAL,
     all_reduce_sum,
     build_engine,
     device_for,
@@ -119,7 +120,10 @@ def train_sft(
     best, bad, step, t0 = math.inf, 0, 0, time.time()
     history: list[dict[str, float]] = []
     rng = random.Random(cfg.seed)
-    bar = tqdm(total=total, desc="sft", unit="step", disable=not progress or rank != 0)
+    bar = tqdm(
+        total=total, desc="sft", unit="step", disable=not progress or rank != 0,
+        mininterval=BAR_INTERVAL,
+    )  # fmt: skip
     stop = False
     for _epoch in range(s.max_epochs):
         order = list(range(len(train)))

@@ -326,6 +326,7 @@ class Trainer:
             desc="grpo",
             unit="step",
             disable=not progress or self.rank,
+            mininterval=BAR_INTERVAL,
         )
         if start == 0 and self.eval_rows and g.eval_every:
             acc0 = self.evaluate_heldout()
