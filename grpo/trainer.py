@@ -24,6 +24,7 @@ from grpo.advantages import group_advantages, process_advantages, zero_std_group
 from grpo.config import Config
 from grpo.data import eval_set, training_sets
 from grpo.distributed import (
+    BAR_INTERVAL,
     all_reduce_sum,
     build_engine,
     build_frozen,
