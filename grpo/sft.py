@@ -8,6 +8,7 @@ the control run: SFT simply continued for the GRPO stage's wall time.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -121,11 +122,13 @@ def train_sft(
     history: list[dict[str, float]] = []
     rng = random.Random(cfg.seed)
     bar = tqdm(
-        total=total, desc="sft", unit="step", disable=not progress or rank != 0,
+        total=None if max_seconds else total, desc="sft", unit="step", disable=not progress or rank != 0,
         mininterval=BAR_INTERVAL,
     )  # fmt: skip
     stop = False
-    for _epoch in range(s.max_epochs):
+    # a time-budgeted run (the control) trains until its time is up, whatever max_epochs says
+    epochs = itertools.count() if max_seconds is not None else range(s.max_epochs)
+    for _epoch in epochs:
         order = list(range(len(train)))
         rng.shuffle(order)
         for b in range(steps_per_epoch):
