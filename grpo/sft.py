@@ -122,7 +122,8 @@ def train_sft(
     history: list[dict[str, float]] = []
     rng = random.Random(cfg.seed)
     bar = tqdm(
-        total=None if max_seconds else total, desc="sft", unit="step", disable=not progress or rank != 0,
+        total=None if max_seconds else total, desc="sft", unit="step",
+        disable=not progress or rank != 0,
         mininterval=BAR_INTERVAL,
     )  # fmt: skip
     stop = False
