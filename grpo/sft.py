@@ -150,7 +150,7 @@ def train_sft(
                 if log:
                     log.write(json.dumps(rec) + "\n")
                     log.flush()
-                bar.set_postfix(val_loss=f"{vl:.4f}", best=f"{min(best, vl):.4f}")
+                bar.set_postfix(val_loss=f"{vl:.4f}", best=f"{min(best, vl):.4f}", refresh=False)
                 if vl < best - 1e-4 or not early_stop:
                     best, bad = min(best, vl), 0
                     save_policy(engine, tok, out_dir, rank, cfg.deepspeed.zero_stage)

@@ -377,7 +377,7 @@ class Trainer:
                     self.engine, ckpt_root, step + 1, client, self.rank, g.keep_checkpoints
                 )
             bar.update(1)
-            bar.set_postfix(reward=f"{m['reward']:.3f}", kl=f"{m.get('kl', 0):.4f}")
+            bar.set_postfix(reward=f"{m['reward']:.3f}", kl=f"{m.get('kl', 0):.4f}", refresh=False)
             last = m
         bar.close()
         for f in (log, samples):
