@@ -58,7 +58,7 @@ def main() -> None:
         res["curve"] = [(r["step"], round(r["eval/heldout_accuracy"], 3)) for r in curve
                         if "eval/heldout_accuracy" in r]  # fmt: skip
         print(json.dumps(res), flush=True)
-        with open("benchmarks/sweep_results.jsonl", "a") as f:
+        with (out / "sweep_results.jsonl").open("a") as f:
             f.write(json.dumps(res) + "\n")
 
 
