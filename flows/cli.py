@@ -36,12 +36,11 @@ def cmd_sft(a: argparse.Namespace) -> None:
 
 
 def cmd_train(a: argparse.Namespace) -> None:
-    from grpo.stages import reference_dir, run_grpo, run_sft
+    from grpo.stages import run_grpo, run_sft
 
     cfg = _config(a)
+    # run_sft reuses a cached reference, and returns model.path itself when SFT is off
     policy = Path(a.policy) if a.policy else run_sft(cfg)
-    if not a.policy and not cfg.sft.enabled:
-        policy = reference_dir(cfg)
     out = Path(a.out) if a.out else cfg.run_dir() / "grpo"
     summary = run_grpo(cfg, policy, out, resume=a.resume)
     final = summary["final"]
