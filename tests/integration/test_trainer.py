@@ -49,7 +49,7 @@ def _seq_logp(trainer, ro: Rollout, i: int) -> float:
 def test_one_grpo_update_raises_the_rewarded_completion(tmp_path):
     from grpo.trainer import Trainer
 
-    cfg = small_config(tmp_path, "grpo.lr=0.01", "grpo.warmup_steps=0")
+    cfg = small_config(tmp_path, "grpo.lr=0.01", "grpo.warmup_steps=0", "grpo.lr_schedule=constant")
     t = Trainer(cfg, base_model_dir(cfg), tmp_path / "grpo")
     assert t.ref is None  # beta = 0: the reference model is never loaded
     ro = _fixed_rollout(t, ["<think>4+2=6</think><answer>46</answer>", "<answer>99</answer>"])
