@@ -9,6 +9,7 @@ mu > 1 costs no extra forward; with mu = 1, pi_old = pi_theta.detach() exactly.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -52,12 +53,17 @@ def prompt_indices(step: int, rank: int, local: int, world: int, n: int, seed: i
     """
     out = []
     for j in range(rank * local, (rank + 1) * local):
-        pos = step * local * world + j
-        epoch, k = divmod(pos, n)
-        perm = list(range(n))
-        random.Random(_seed(seed, epoch)).shuffle(perm)
-        out.append(perm[k])
+        epoch, k = divmod(step * local * world + j, n)
+        out.append(_epoch_order(seed, epoch, n)[k])
     return out
+
+
+@functools.lru_cache(maxsize=2)
+def _epoch_order(seed: int, epoch: int, n: int) -> tuple[int, ...]:
+    """The shuffled row order of one epoch; cached, since every step reads the same one."""
+    perm = list(range(n))
+    random.Random(_seed(seed, epoch)).shuffle(perm)
+    return tuple(perm)
 
 
 def _cat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:

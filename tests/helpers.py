@@ -33,3 +33,22 @@ SMALL = [
 
 def small_config(tmp: Path, *extra: str) -> Config:
     return load_config(ROOT / "configs" / "tiny.yaml", [*SMALL, f"output_dir={tmp}", *extra])
+
+
+def fixed_rollout(tok, completions: list[str], prompt: str = "12+34="):  # noqa: ANN201
+    """A Rollout of given completion texts (right-padded, each ending with EOS) after one prompt.
+
+    Lets a test drive Trainer.update on known completions instead of sampled ones.
+    """
+    import torch
+
+    from grpo.rollout import Rollout
+
+    p = tok([prompt] * len(completions), return_tensors="pt", add_special_tokens=False)
+    seqs = [tok(x, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for x in completions]
+    ids = torch.full((len(seqs), max(map(len, seqs))), tok.pad_token_id)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), 1
+    no_trunc = torch.zeros(len(seqs), dtype=torch.bool)
+    return Rollout(p["input_ids"], p["attention_mask"], ids, mask, no_trunc, torch.zeros(ids.shape))

@@ -5,32 +5,9 @@ import torch
 
 from grpo.rollout import Rollout
 from grpo.stages import base_model_dir
-from tests.helpers import small_config
+from tests.helpers import fixed_rollout, small_config
 
 pytestmark = pytest.mark.slow
-
-
-def _fixed_rollout(trainer, completions: list[str]) -> Rollout:
-    tok = trainer.tok
-    p = tok(["12+34="] * len(completions), return_tensors="pt", add_special_tokens=False)
-    c = tok(completions, add_special_tokens=False, padding=True, return_tensors="pt")
-    ids = c["input_ids"]
-    # right-pad completions (the tokenizer pads left) and end each with EOS
-    rows, masks = [], []
-    for text in completions:
-        seq = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        rows.append(seq)
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), tok.pad_token_id)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.tensor(r)
-        mask[i, : len(r)] = 1
-        masks.append(mask[i])
-    return Rollout(
-        p["input_ids"], p["attention_mask"], ids, mask,
-        torch.zeros(len(rows), dtype=torch.bool), torch.zeros(ids.shape),
-    )  # fmt: skip
 
 
 def _seq_logp(trainer, ro: Rollout, i: int) -> float:
@@ -52,7 +29,7 @@ def test_one_grpo_update_raises_the_rewarded_completion(tmp_path):
     cfg = small_config(tmp_path, "grpo.lr=0.01", "grpo.warmup_steps=0", "grpo.lr_schedule=constant")
     t = Trainer(cfg, base_model_dir(cfg), tmp_path / "grpo")
     assert t.ref is None  # beta = 0: the reference model is never loaded
-    ro = _fixed_rollout(t, ["<think>4+2=6</think><answer>46</answer>", "<answer>99</answer>"])
+    ro = fixed_rollout(t.tok, ["<think>4+2=6</think><answer>46</answer>", "<answer>99</answer>"])
     before = [p.detach().clone() for p in t.engine.module.parameters()]
     lp_good, lp_bad = _seq_logp(t, ro, 0), _seq_logp(t, ro, 1)
     m = t.update(ro, torch.tensor([1.0, -1.0]), None)
@@ -101,7 +78,7 @@ def test_process_advantages_map_characters_to_tokens(tmp_path):
     cfg = small_config(tmp_path, "grpo.advantage_mode=process", "grpo.num_generations=2")
     t = Trainer(cfg, base_model_dir(cfg), tmp_path / "grpo")
     texts = ["<think>1+2=3</think><answer>3</answer>", "<think>1+2=4</think><answer>4</answer>"]
-    ro = _fixed_rollout(t, texts)
+    ro = fixed_rollout(t.tok, texts)
     adv = t.process_advantages(ro, [{"answer": "3"}] * 2, texts)
     # pooled step rewards (1, 1, 0, 0): mean 0.5, std 0.5 -> +1 / -1 (up to eps)
     # completion 0: step "1+2=3" ends at token 5 (<think> is one token), answer at the end

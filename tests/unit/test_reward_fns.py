@@ -43,7 +43,6 @@ def test_math500_answers_in_equivalent_forms():
         1.0,
         1.0,
     ]
-    assert accuracy(["$\\boxed{\\frac{\\pi}{2}}$"], ["90^\\circ"]) in ([0.0], [1.0])
     assert accuracy(["$\\boxed{x^2+2x+1}$"], ["(x+1)^2"]) == [1.0]
     assert accuracy(["$\\boxed{3}$"], ["\\frac{1}{2}"]) == [0.0]
 
