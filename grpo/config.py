@@ -42,6 +42,11 @@ class ModelConfig(_Strict):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     chat_template: bool = Field(False, description="wrap prompts in the tokenizer's chat template")
     system_prompt: str | None = None
+    generation_engine: Literal["auto", "fast", "hf"] = Field(
+        "auto",
+        description="rollouts and evaluation: grpo.decoding (fast, Qwen2/Llama family), "
+        "transformers generate (hf), or fast when the architecture is supported (auto)",
+    )
 
 
 class DataConfig(_Strict):

@@ -91,7 +91,7 @@ def generate_for_rows(
             num_generations=samples, max_completion_length=max_new,
             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
             temperature=temperature, do_sample=samples > 1,
-            zero_stage=cfg.deepspeed.zero_stage,
+            zero_stage=cfg.deepspeed.zero_stage, engine=cfg.model.generation_engine,
         )  # fmt: skip
         texts = tokenizer.batch_decode(ro.completion_ids, skip_special_tokens=True)
         golds = [r["answer"] for r in batch for _ in range(samples)]

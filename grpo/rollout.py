@@ -1,10 +1,12 @@
-"""Sampling G completions per prompt in one batched generate call, with sampling log-probs.
+"""Sampling G completions per prompt in one batched call, with sampling log-probs.
 
-The per-token log-probs of the sampling policy are recorded during generation by a logits
-processor, so mu > 1 needs no extra forward pass to know pi_old. Custom processors run before
-transformers' temperature/top-k/top-p warpers, so the recorded value is log softmax(logits / T),
-the same quantity the trainer computes (TRL does the same; top-k/top-p truncation is not
-part of pi's log-prob).
+Two engines: grpo.decoding (the default for Qwen2/Llama-family models, several times less
+Python per token) and transformers generate() for every other architecture.
+
+Both record log pi(token) under softmax(logits / T) while sampling, so mu > 1 needs no extra
+forward pass to know pi_old. With generate() a logits processor does it; custom processors run
+before transformers' temperature/top-k/top-p warpers, so the recorded value is the quantity the
+trainer computes (TRL does the same; top-k/top-p truncation is not part of pi's log-prob).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 import torch
 
+from grpo import decoding
 from grpo.logprobs import token_logprobs
 
 
@@ -96,15 +99,64 @@ def generate(
     top_k: int = 0,
     do_sample: bool = True,
     zero_stage: int = 0,
+    engine: str = "auto",
 ) -> Rollout:
     """G completions for each of the B0 left-padded prompts -> a Rollout of B0 * G rows.
 
     Rows of one prompt are contiguous (the layout group_advantages expects).
+    engine: "fast" (grpo.decoding), "hf" (transformers generate) or "auto" (fast when the
+    architecture is supported, see resolve_engine).
     """
-    from transformers import GenerationConfig, LogitsProcessorList
-
     ids = prompt_ids.repeat_interleave(num_generations, 0)  # [B, P]
     mask = prompt_mask.repeat_interleave(num_generations, 0)
+    was_training = model.training
+    model.eval()
+    with gather_for_generation(model, zero_stage):
+        if resolve_engine(model, engine) == "fast":
+            comp, logps = decoding.sample(
+                model, ids, mask, max_new_tokens=max_completion_length,
+                eos_token_id=eos_token_id, pad_token_id=pad_token_id, temperature=temperature,
+                top_p=top_p, top_k=top_k, do_sample=do_sample,
+            )  # fmt: skip
+        else:
+            comp, logps = _hf_generate(
+                model, ids, mask, max_completion_length, eos_token_id, pad_token_id,
+                temperature, top_p, top_k, do_sample,
+            )  # fmt: skip
+    model.train(was_training)
+    cmask, truncated = completion_mask(comp, eos_token_id)
+    comp = comp.masked_fill(cmask == 0, pad_token_id)
+    return Rollout(ids, mask, comp, cmask, truncated, logps * cmask)
+
+
+def resolve_engine(model: torch.nn.Module, engine: str) -> str:
+    """ "fast" or "hf" for this model; "fast" on an unsupported architecture is an error."""
+    if engine not in ("auto", "fast", "hf"):
+        raise ValueError(f"generation engine: expected auto, fast or hf, got {engine!r}")
+    if engine == "hf":
+        return "hf"
+    reason = decoding.unsupported_reason(model)
+    if reason is None:
+        return "fast"
+    if engine == "fast":
+        raise ValueError(f"generation engine 'fast' cannot run this model: {reason}")
+    return "hf"
+
+
+def _hf_generate(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    max_completion_length: int,
+    eos_token_id: int,
+    pad_token_id: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    do_sample: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from transformers import GenerationConfig, LogitsProcessorList
+
     recorder = _LogpRecorder(temperature)
     gen_cfg = GenerationConfig(
         do_sample=do_sample,
@@ -116,20 +168,14 @@ def generate(
         pad_token_id=pad_token_id,
         use_cache=True,
     )
-    was_training = model.training
-    model.eval()
-    with gather_for_generation(model, zero_stage):
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            generation_config=gen_cfg,
-            logits_processor=LogitsProcessorList([recorder]),
-        )
-    model.train(was_training)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        generation_config=gen_cfg,
+        logits_processor=LogitsProcessorList([recorder]),
+    )
     comp = out[:, ids.shape[1] :]  # [B, C]
     if comp.shape[1] > 0:
         recorder.finish(comp[:, -1])
-    cmask, truncated = completion_mask(comp, eos_token_id)
-    comp = comp.masked_fill(cmask == 0, pad_token_id)
     logps = torch.stack(recorder.logps, 1) if recorder.logps else torch.zeros_like(comp).float()
-    return Rollout(ids, mask, comp, cmask, truncated, logps * cmask)
+    return comp, logps

@@ -147,7 +147,7 @@ class Trainer:
                 num_generations=g.num_generations, max_completion_length=g.max_completion_length,
                 eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id,
                 temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
-                zero_stage=self.cfg.deepspeed.zero_stage,
+                zero_stage=self.cfg.deepspeed.zero_stage, engine=self.cfg.model.generation_engine,
             )  # fmt: skip
             parts.append(ro)
             kept_rows.extend(rows)

@@ -1,0 +1,122 @@
+"""The lean sampler (grpo.decoding) against the transformers model it reads the weights of."""
+
+import pytest
+import torch
+
+from grpo import decoding
+from grpo.logprobs import token_logprobs
+from grpo.modeling import completion_logits
+from grpo.rollout import generate, resolve_engine
+
+EOS, PAD = 1, 0
+
+
+def _model(kind: str, vocab: int = 16):
+    import transformers
+
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=48, max_position_embeddings=128,
+        pad_token_id=PAD, eos_token_id=EOS, bos_token_id=None,
+    )  # fmt: skip
+    if kind == "qwen2":
+        cfg = transformers.Qwen2Config(**common, tie_word_embeddings=True)
+        return transformers.Qwen2ForCausalLM(cfg).eval()
+    cfg = transformers.LlamaConfig(**common, attention_bias=True, tie_word_embeddings=False)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _prompts():
+    """Left-padded prompts of lengths 5, 3 and 1 (token ids >= 2: never PAD or EOS)."""
+    ids = torch.tensor([[2, 3, 4, 5, 6], [0, 0, 7, 8, 9], [0, 0, 0, 0, 10]])
+    return ids, (ids != PAD).long()
+
+
+def _teacher_forced(model, ro, temperature):
+    with torch.no_grad():
+        logits = completion_logits(
+            model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask
+        )
+    return token_logprobs(logits, ro.completion_ids, temperature) * ro.completion_mask
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@pytest.mark.parametrize("engine", ["fast", "hf"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampling_logps_match_a_teacher_forced_forward(kind, engine, temperature):
+    model = _model(kind)
+    ids, mask = _prompts()
+    torch.manual_seed(1)
+    ro = generate(
+        model, ids, mask, num_generations=8, max_completion_length=20, eos_token_id=EOS,
+        pad_token_id=PAD, temperature=temperature, engine=engine,
+    )  # fmt: skip
+    lengths = ro.lengths
+    # with 16 tokens, EOS comes often: rows end at different steps (compaction is exercised)
+    assert lengths.min() < lengths.max()
+    assert (ro.truncated == (lengths == ro.completion_ids.shape[1])).all() or engine == "hf"
+    torch.testing.assert_close(
+        ro.sampling_logps, _teacher_forced(model, ro, temperature), atol=2e-5, rtol=1e-4
+    )
+    after_eos = ro.completion_mask == 0
+    assert (ro.completion_ids[after_eos] == PAD).all()
+    assert (ro.sampling_logps[after_eos] == 0).all()
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+def test_greedy_fast_equals_greedy_transformers(kind):
+    model = _model(kind, vocab=64)
+    ids, mask = _prompts()
+    kw = dict(num_generations=1, max_completion_length=24, eos_token_id=EOS, pad_token_id=PAD,
+              do_sample=False)  # fmt: skip
+    fast = generate(model, ids, mask, engine="fast", **kw)
+    hf = generate(model, ids, mask, engine="hf", **kw)
+    assert torch.equal(fast.completion_ids, hf.completion_ids)
+    assert torch.equal(fast.completion_mask, hf.completion_mask)
+
+
+def test_same_seed_same_samples_and_top_k_is_respected():
+    model = _model("qwen2", vocab=64)
+    ids, mask = _prompts()
+    kw = dict(max_new_tokens=16, eos_token_id=EOS, pad_token_id=PAD, top_k=3)
+    torch.manual_seed(5)
+    a, la = decoding.sample(model, ids, mask, **kw)
+    torch.manual_seed(5)
+    b, lb = decoding.sample(model, ids, mask, **kw)
+    assert torch.equal(a, b) and torch.equal(la, lb)
+    # every sampled token is among the 3 most likely under the model at its position
+    logits = completion_logits(model, ids, mask, a, (a != PAD).long())
+    top3 = logits.topk(3, -1).indices
+    real = a != PAD
+    assert (top3 == a.unsqueeze(-1)).any(-1)[real].all()
+
+
+def test_inverse_cdf_sampling_follows_the_probabilities():
+    torch.manual_seed(0)
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.2]).expand(40000, 4)
+    counts = torch.bincount(decoding.sample_tokens(probs), minlength=4).float() / 40000
+    assert counts[1] == 0  # a zero-probability token is never drawn
+    torch.testing.assert_close(counts, torch.tensor([0.5, 0.0, 0.3, 0.2]), atol=0.01, rtol=0)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    # probs 0.5, 0.3, 0.15, 0.05: top_p 0.7 keeps the first two (0.5 < 0.7 <= 0.8)
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    kept = decoding.filter_logits(logits, top_p=0.7)
+    assert torch.isfinite(kept).tolist() == [[True, True, False, False]]
+    # top_p smaller than the top token's mass still keeps the top token
+    assert torch.isfinite(decoding.filter_logits(logits, top_p=0.1)).sum() == 1
+
+
+def test_unsupported_architecture_is_named_and_auto_uses_transformers():
+    import transformers
+
+    cfg = transformers.GPT2Config(vocab_size=16, n_embd=16, n_layer=1, n_head=2, n_positions=32)
+    gpt2 = transformers.GPT2LMHeadModel(cfg).eval()
+    assert resolve_engine(gpt2, "auto") == "hf"
+    assert resolve_engine(_model("qwen2"), "auto") == "fast"
+    with pytest.raises(ValueError, match="model_type 'gpt2'"):
+        resolve_engine(gpt2, "fast")
+    with pytest.raises(ValueError, match="expected auto, fast or hf"):
+        resolve_engine(gpt2, "vllm")
