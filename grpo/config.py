@@ -117,6 +117,11 @@ class GRPOConfig(_Strict):
     )
     mu: int = Field(1, ge=1, description="policy updates per rollout batch")
     micro_batch_size: int = Field(64, gt=0, description="completions per forward/backward")
+    skip_zero_advantage: bool = Field(
+        True,
+        description="beta 0 + dapo: no forward/backward for completions with zero advantage "
+        "(their gradient is exactly zero); False trains on them as TRL does",
+    )
     dynamic_sampling: bool = Field(False, description="drop zero-std groups and sample again")
     max_sampling_rounds: int = Field(3, ge=1)
     reward_funcs: list[str] = ["accuracy", "format"]

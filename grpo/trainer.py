@@ -41,6 +41,14 @@ from grpo.rollout import Rollout, generate
 from reward_fns import resolve, score
 from reward_fns.registry import BUILTIN, with_time_limit
 
+# per-token metrics of policy_loss (plus entropy), token-weighted over the trained rows; "kl"
+# joins them when a reference is loaded (beta > 0): a fixed list, so every rank all-reduces the
+# same keys even when it skipped all its rows
+POLICY_METRICS = (
+    "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "ratio_mean",
+    "entropy",
+)  # fmt: skip
+
 
 def _seed(*parts: int) -> int:
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:7], "little")
@@ -223,7 +231,10 @@ class Trainer:
     def update(
         self, ro: Rollout, adv: torch.Tensor, ref_logps: torch.Tensor | None
     ) -> dict[str, float]:
-        """mu passes of clipped updates over the rollout, one optimizer step per pass."""
+        """mu passes of clipped updates over the rollout, one optimizer step per pass.
+
+        Entropy and clip metrics are over the completions trained on (see trained_rows).
+        """
         g = self.cfg.grpo
         mask = ro.completion_mask
         # dapo: normalise by the active tokens of the whole global batch (all ranks, all micro)
@@ -231,48 +242,45 @@ class Trainer:
         # DeepSpeed averages gradients over ranks and accumulation steps; dapo's per-micro loss
         # is already a share of the global mean, so undo that averaging
         scale = self.world * self.n_micro if g.loss_type == "dapo" else 1.0
+        if mask.shape[0] > self.n_micro * self.micro:
+            raise ValueError(
+                f"rollout: {mask.shape[0]} local rows exceed {self.n_micro} micro-batches of "
+                f"{self.micro}"
+            )
+        rows = self.trained_rows(adv, mask.shape[0])
+        metric_keys = POLICY_METRICS + (("kl",) if ref_logps is not None else ())
         sums: dict[str, float] = {}
         nonfinite = 0
         grad_norms: list[float] = []
         for _ in range(g.mu):
-            for s in range(0, mask.shape[0], self.micro):
-                sl = slice(s, s + self.micro)
-                logits = completion_logits(
-                    self.engine,
-                    ro.prompt_ids[sl],
-                    ro.prompt_mask[sl],
-                    ro.completion_ids[sl],
-                    mask[sl],
-                )  # fmt: skip  [mb, C, V]
-                logps = token_logprobs(logits, ro.completion_ids[sl], g.temperature)  # [mb, C]
-                old = ro.sampling_logps[sl] if g.mu > 1 else logps.detach()
-                loss, m = policy_loss(
-                    logps, old, adv[sl], mask[sl],
-                    ref_logps=None if ref_logps is None else ref_logps[sl],
-                    loss_type=g.loss_type, eps_low=g.eps_low, eps_high=g.eps_high, beta=g.beta,
-                    importance_level=g.importance_level,
-                    max_completion_length=g.max_completion_length,
-                    num_items=num_items if g.loss_type == "dapo" else None,
-                )  # fmt: skip
+            # every rank makes n_micro backward calls per pass, whatever it skipped: DeepSpeed's
+            # accumulation boundary and the gradient all-reduce count on it
+            for j in range(self.n_micro):
+                idx = rows[j * self.micro : (j + 1) * self.micro]
+                if idx.numel():
+                    loss, m = self._micro_loss(ro, adv, ref_logps, idx, num_items)
+                else:
+                    # nothing left to train on: a zero-weighted real micro-batch of one row, so
+                    # that gradient hooks fire in the same order as on ranks that did train
+                    # (ZeRO-2 packs gradients into its reduce buckets in hook order)
+                    loss, _ = self._micro_loss(ro, adv, ref_logps, torch.tensor([0]), num_items)
+                    loss, m = loss * 0.0, {}
                 if not torch.isfinite(loss):
                     nonfinite += 1
-                    # keep every rank's backward count equal, contribute nothing
+                    # contributes a zero gradient, keeps the backward count equal on all ranks
                     loss = sum(p.sum() for p in self.engine.parameters()) * 0.0
-                with torch.no_grad():
-                    ent = token_entropy(logits.detach(), g.temperature)
-                    w = float(mask[sl].sum())
-                    m["entropy"] = float((ent * mask[sl]).sum()) / max(w, 1.0)
                 self.engine.backward(loss * scale)
-                if s + self.micro >= mask.shape[0] and self.cfg.deepspeed.zero_stage == 0:
+                if j == self.n_micro - 1 and self.cfg.deepspeed.zero_stage == 0:
                     grad_norms.append(self._local_grad_norm())
                 self.engine.step()
-                for k, v in m.items():
-                    sums[k] = sums.get(k, 0.0) + v * w
+                w = m.pop("_w", 0.0)
+                for k in metric_keys:
+                    sums[k] = sums.get(k, 0.0) + m.get(k, 0.0) * w
                 sums["_w"] = sums.get("_w", 0.0) + w
                 sums["loss"] = (
                     sums.get("loss", 0.0) + float(loss.detach()) * scale / self.n_micro / g.mu
                 )
-        keys = sorted(k for k in sums if k not in ("_w", "loss", "active_tokens"))
+        keys = sorted(metric_keys)
         tot = all_reduce_sum([sums[k] for k in keys] + [sums["_w"], sums["loss"], nonfinite],
                              self.device)  # fmt: skip
         out = {k: v / max(tot[-3], 1.0) for k, v in zip(keys, tot)}
@@ -288,6 +296,56 @@ class Trainer:
         out["grad_norm"] = float(gn) if gn is not None else float(grad_norms[-1])
         out["learning_rate"] = float(self.engine.get_lr()[0])
         return out
+
+    def trained_rows(self, adv: torch.Tensor, n: int) -> torch.Tensor:
+        """Local rows to run forward/backward on.
+
+        With beta = 0 and the dapo loss, a completion whose advantage is zero at every token adds
+        exactly zero to the loss and its gradient (-min(rho*0, clip(rho)*0) = 0), and dapo's
+        normaliser (num_items, all tokens of the global batch) does not depend on which rows run;
+        skipping them is exact and saves the forward/backward of every group whose rewards were
+        all equal. Other loss types divide by per-micro-batch counts, and beta > 0 adds a KL term
+        on every row, so they train on all rows.
+        """
+        g = self.cfg.grpo
+        if not (g.skip_zero_advantage and g.beta == 0 and g.loss_type == "dapo"):
+            return torch.arange(n)
+        per_row = adv.abs() if adv.dim() == 1 else adv.abs().sum(1)  # [N]
+        return (per_row > 0).nonzero().squeeze(1).cpu()
+
+    def _micro_loss(
+        self,
+        ro: Rollout,
+        adv: torch.Tensor,
+        ref_logps: torch.Tensor | None,
+        idx: torch.Tensor,
+        num_items: float,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Loss and metrics of the rows idx, with columns that are padding in all of them cut."""
+        g = self.cfg.grpo
+        mask = ro.completion_mask[idx]
+        pmask = ro.prompt_mask[idx]
+        # causal attention: trailing completion padding never affects earlier positions, and
+        # positions count real tokens, so leading prompt padding can go too
+        c = int(mask.sum(1).max())
+        p0 = int((pmask.sum(0) > 0).long().argmax())
+        mask, pmask, cids = mask[:, :c], pmask[:, p0:], ro.completion_ids[idx, :c]
+        logits = completion_logits(self.engine, ro.prompt_ids[idx, p0:], pmask, cids, mask)
+        logps = token_logprobs(logits, cids, g.temperature)  # [mb, c]
+        old = ro.sampling_logps[idx, :c] if g.mu > 1 else logps.detach()
+        a = adv[idx] if adv.dim() == 1 else adv[idx, :c]
+        loss, m = policy_loss(
+            logps, old, a, mask,
+            ref_logps=None if ref_logps is None else ref_logps[idx, :c],
+            loss_type=g.loss_type, eps_low=g.eps_low, eps_high=g.eps_high, beta=g.beta,
+            importance_level=g.importance_level, max_completion_length=g.max_completion_length,
+            num_items=num_items if g.loss_type == "dapo" else None,
+        )  # fmt: skip
+        with torch.no_grad():
+            ent = token_entropy(logits.detach(), g.temperature)
+            m["_w"] = float(mask.sum())
+            m["entropy"] = float((ent * mask).sum()) / max(m["_w"], 1.0)
+        return loss, m
 
     def _local_grad_norm(self) -> float:
         norms = [

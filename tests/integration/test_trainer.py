@@ -87,3 +87,29 @@ def test_process_advantages_map_characters_to_tokens(tmp_path):
     assert adv[1, 0].item() == pytest.approx(-2.0, rel=1e-3)
     n0 = int(ro.lengths[0])
     assert adv[0, n0:].abs().sum() == 0  # after the last step end (the EOS) nothing
+
+
+def test_skipping_zero_advantage_rows_gives_the_same_update(tmp_path):
+    """beta = 0 + dapo: rows with zero advantage are not run, and the weights come out the same.
+
+    6 rows, micro-batches of 2: trained on all rows, 3 micro-batches; with skipping, the 3 rows
+    with a non-zero advantage fill 2 micro-batches and the third is a zero-gradient call.
+    """
+    from grpo.trainer import Trainer
+
+    texts = ["<answer>46</answer>", "<answer>4</answer>", "46", "<think>9+9", "<answer>", "x"]
+    adv = torch.tensor([1.0, 0.0, -0.5, 0.0, 0.0, 2.0])
+    weights = {}
+    for skip in (True, False):
+        cfg = small_config(
+            tmp_path / str(skip), "grpo.lr=0.01", "grpo.warmup_steps=0",
+            "grpo.prompts_per_step=1", "grpo.num_generations=6", "grpo.micro_batch_size=2",
+            f"grpo.skip_zero_advantage={skip}",
+        )  # fmt: skip
+        t = Trainer(cfg, base_model_dir(cfg), tmp_path / str(skip) / "grpo")
+        ro = fixed_rollout(t.tok, texts)
+        assert t.trained_rows(adv, 6).tolist() == ([0, 2, 5] if skip else list(range(6)))
+        t.update(ro, adv, None)
+        weights[skip] = [p.detach().clone() for p in t.engine.module.parameters()]
+    for a, b in zip(weights[True], weights[False], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)

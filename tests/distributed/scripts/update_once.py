@@ -24,6 +24,10 @@ def main() -> None:
     texts = ["<think>1</think><answer>46</answer>", "<answer>4</answer>", "46", "<think>9+9"] * 2
     g = torch.Generator().manual_seed(0)
     adv = torch.randn(len(texts), generator=g)  # [N] global advantages
+    # zero advantages are skipped (exact, beta = 0 + dapo): one skipped row on rank 0 and every
+    # row of rank 1, which then makes only zero-gradient backward calls
+    adv[1] = 0.0
+    adv[4:] = 0.0
     ro = fixed_rollout(t.tok, texts)
     n = len(texts) // t.world
     mine = torch.arange(t.rank * n, (t.rank + 1) * n)
