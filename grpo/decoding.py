@@ -198,8 +198,12 @@ def sample(
     top_p: float = 1.0,
     top_k: int = 0,
     do_sample: bool = True,
+    num_generations: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Completions [B, C] (pad after EOS) and log pi of each sampled token [B, C] (0 after EOS).
+    """Completions [B*G, C] (pad after EOS) and log pi of each sampled token (0 after EOS).
+
+    Each of the B prompts is prefilled once; its KV cache is then copied to its G rows
+    (rows of one prompt contiguous), so the prompt costs one forward, not G.
 
     Rows of the batch draw from one shared random stream: results are reproducible for a given
     seed and batch, not row by row across different batches.
@@ -211,7 +215,7 @@ def sample(
     with torch.inference_mode():
         out, logps = _sample(
             model, prompt_ids, prompt_mask, max_new_tokens, eos_token_id, pad_token_id,
-            temperature, top_p, top_k, do_sample,
+            temperature, top_p, top_k, do_sample, num_generations,
         )  # fmt: skip
     return out.clone(), logps.clone()
 
@@ -227,9 +231,10 @@ def _sample(
     top_p: float,
     top_k: int,
     do_sample: bool,
+    num_generations: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     dec = Decoder(model)
-    b, p = prompt_ids.shape
+    b, p = prompt_ids.shape  # b distinct prompts here; b * G rows after the prefill
     total = p + max_new_tokens
     dev = prompt_ids.device
     cos_t, sin_t = dec.rope_tables(total)
@@ -250,6 +255,11 @@ def _sample(
         prompt_ids, cos_t[pos].unsqueeze(2), sin_t[pos].unsqueeze(2), cache, 0,
         prefill_mask.unsqueeze(1),
     )  # fmt: skip
+    if num_generations > 1:
+        g = num_generations
+        cache = [(k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)) for k, v in cache]
+        logits, pos, keys = (t.repeat_interleave(g, 0) for t in (logits, pos, keys))
+        b = b * g
     bias = torch.zeros(b, 1, 1, total, dtype=dec.dtype, device=dev)
     bias[:, 0, 0, :p] = torch.where(keys, 0.0, float("-inf"))
     out = torch.full((b, max_new_tokens), pad_token_id, dtype=torch.long, device=dev)

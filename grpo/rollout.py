@@ -114,9 +114,9 @@ def generate(
     with gather_for_generation(model, zero_stage):
         if resolve_engine(model, engine) == "fast":
             comp, logps = decoding.sample(
-                model, ids, mask, max_new_tokens=max_completion_length,
+                model, prompt_ids, prompt_mask, max_new_tokens=max_completion_length,
                 eos_token_id=eos_token_id, pad_token_id=pad_token_id, temperature=temperature,
-                top_p=top_p, top_k=top_k, do_sample=do_sample,
+                top_p=top_p, top_k=top_k, do_sample=do_sample, num_generations=num_generations,
             )  # fmt: skip
         else:
             comp, logps = _hf_generate(
