@@ -35,6 +35,9 @@ SETTINGS = {
     "lr": 1e-4,
     "loss_type": "dapo",
 }
+# "ours-all" trains on every completion as TRL does (grpo.skip_zero_advantage=false): it
+# separates the faster sampler from the skipped zero-advantage completions
+TRAINERS = ("ours", "ours-all", "trl")
 WARMUP = 3  # steps left out of the medians (first-step allocations, lazy imports)
 
 
@@ -45,7 +48,7 @@ def _prompts(n: int) -> list[dict]:
     return make_sets(DataConfig(num_train=max(n, 1)))["train"][:n]
 
 
-def run_ours(model: str, steps: int, out: str, beta: float) -> dict:
+def run_ours(model: str, steps: int, out: str, beta: float, train_all: bool = False) -> dict:
     from grpo.config import load_config
     from grpo.trainer import Trainer
 
@@ -57,6 +60,7 @@ def run_ours(model: str, steps: int, out: str, beta: float) -> dict:
         f"grpo.temperature={s['temperature']}", f"grpo.loss_type={s['loss_type']}",
         "grpo.eval_every=0", "grpo.checkpoint_every=100000", "grpo.warmup_steps=0",
         "grpo.reward_funcs=[accuracy]", "grpo.reward_weights=[1.0]",
+        f"grpo.skip_zero_advantage={not train_all}",
     ])  # fmt: skip
     t = Trainer(cfg, model, Path(out) / "ours")
     t.train(progress=False)
@@ -157,7 +161,10 @@ def child(which: str, model: str, steps: int, out: str, beta: float) -> None:
     import torch
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
-    res = (run_ours if which == "ours" else run_trl)(model, steps, out, beta)
+    if which == "trl":
+        res = run_trl(model, steps, out, beta)
+    else:
+        res = run_ours(model, steps, out, beta, train_all=which == "ours-all")
     res["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps(res), flush=True)
 
@@ -204,7 +211,7 @@ def main() -> None:
     results: dict[tuple[str, str], list[dict]] = {}
     for regime, model in (("short", short_model), ("long", long_model)):
         for r in range(a.repeats):
-            for which in ("ours", "trl"):  # A B A B
+            for which in TRAINERS:  # A B C A B C
                 res = _measure(which, model, a.steps, Path(a.out) / f"{regime}-{which}-{r}", a.beta)
                 results.setdefault((regime, which), []).append(res)
                 print(regime, which, r, _fmt(res["step_time"], 3), flush=True)
@@ -225,7 +232,9 @@ def _report(results: dict, a: argparse.Namespace) -> list[str]:
         f"temperature={s['temperature']}, beta={a.beta}, lr={s['lr']}, loss_type={s['loss_type']}, "
         f"{a.steps} steps ({WARMUP} warm-up steps left out), fp32, same tiny Qwen2 and prompts, "
         "reward = reward_fns.accuracy. Medians over all measured steps of all repeats "
-        "(min-max in brackets); each run a fresh process, alternated ours/TRL.",
+        "(min-max in brackets); each run a fresh process, alternated. `ours` skips the "
+        "forward/backward of completions whose advantage is zero (exact with beta 0 + dapo); "
+        "`ours-all` trains on every completion, as TRL does.",
         "",
         "| regime | trainer | mean completion length | step time s | completions/s "
         "| completion tokens/s | peak RSS MiB | final reward (median of last 10) |",
@@ -234,7 +243,7 @@ def _report(results: dict, a: argparse.Namespace) -> list[str]:
     ratio_rows = []
     for regime in ("short", "long"):
         meds = {}
-        for which in ("ours", "trl"):
+        for which in TRAINERS:
             runs = results[(regime, which)]
             st = [x for r in runs for x in r["step_time"]]
             cps = [32 / x for x in st]
@@ -249,24 +258,30 @@ def _report(results: dict, a: argparse.Namespace) -> list[str]:
             )
         ratio_rows.append(
             f"| {regime} | {meds['ours'][0] / meds['trl'][0]:.2f}x | "
+            f"{meds['ours-all'][0] / meds['trl'][0]:.2f}x | "
             f"{meds['ours'][1] / meds['trl'][1]:.2f}x |"
         )
-    lines += ["", "| regime | completions/s ours/TRL | peak RSS ours/TRL |", "|---|---|---|"]
+    lines += [
+        "",
+        "| regime | completions/s ours/TRL | completions/s ours-all/TRL | peak RSS ours/TRL |",
+        "|---|---|---|---|",
+    ]
     lines += ratio_rows
     split = []
     for regime in ("short", "long"):
-        runs = results[(regime, "ours")]
-        g = [x for r in runs for x in r["generation"]]
-        tr = [x for r in runs for x in r["training"]]
-        pg = [x for r in runs for x in r["plain_generate_ratio"]]
-        split.append(f"| {regime} | {_fmt(g, 3)} | {_fmt(tr, 3)} | {_fmt(pg, 2)} |")
+        for which in ("ours", "ours-all"):
+            runs = results[(regime, which)]
+            g = [x for r in runs for x in r["generation"]]
+            tr = [x for r in runs for x in r["training"]]
+            pg = [x for r in runs for x in r["plain_generate_ratio"]]
+            split.append(f"| {regime} | {which} | {_fmt(g, 3)} | {_fmt(tr, 3)} | {_fmt(pg, 2)} |")
     lines += [
         "",
         "Our step split (seconds) and our generation vs a plain transformers `generate()` "
         "on the same 32-completion batch (time ratio, < 1 is faster):",
         "",
-        "| regime | generation | training | ours/plain generate |",
-        "|---|---|---|---|",
+        "| regime | trainer | generation | training | ours/plain generate |",
+        "|---|---|---|---|---|",
     ]
     return lines + split
 

@@ -10,6 +10,7 @@ batch is scored in a short-lived child process instead, where the alarms work.
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ from reward_fns.text import completion_text
 MAX_ANSWER_CHARS = 2000
 TIME_LIMIT_S = 1  # per parse and per verify call; math-verify takes whole seconds
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_INTEGER = re.compile(r"-?[0-9]+")
 
 
 def extract_answer(text: str) -> str:
@@ -49,10 +51,31 @@ def _parse(text: str, wrap: bool) -> list:
 
 def is_correct(prediction: str, gold: str) -> bool:
     """True when the prediction's final answer is mathematically equal to the gold answer."""
+    return answer_matches(extract_answer(prediction)[-MAX_ANSWER_CHARS:], str(gold))
+
+
+@functools.lru_cache(maxsize=65536)
+def answer_matches(answer: str, gold: str) -> bool:
+    """Is an extracted final answer equal to the gold answer? Memoised per (answer, gold).
+
+    The G completions of a prompt share a gold and mostly repeat a few answers, and math-verify
+    (sympy) costs about a millisecond per parse: a batch of 256 completions took 0.45 s, as long
+    as sampling them. Two plain integers are compared as integers, which is what math-verify
+    concludes for them too (tests check both agree).
+
+    >>> answer_matches("0132", "132"), answer_matches("3/2", "1.5")
+    (True, True)
+    """
+    if _INTEGER.fullmatch(answer) and _INTEGER.fullmatch(gold):
+        return int(answer) == int(gold)
+    return _math_verify_matches(answer, gold)
+
+
+def _math_verify_matches(answer: str, gold: str) -> bool:
     from math_verify import verify
 
-    gold_parsed = _parse(str(gold), wrap=True)
-    pred_parsed = _parse(extract_answer(prediction)[-MAX_ANSWER_CHARS:], wrap=False)
+    gold_parsed = _parse(gold, wrap=True)
+    pred_parsed = _parse(answer, wrap=False)
     if not gold_parsed or not pred_parsed:
         return False
     return bool(verify(gold_parsed, pred_parsed, timeout_seconds=TIME_LIMIT_S))

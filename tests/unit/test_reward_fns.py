@@ -6,6 +6,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from reward_fns import (
     RewardFunctionError,
@@ -126,3 +128,13 @@ def test_registry_resolves_names_and_import_paths():
         resolve("nope")
     with pytest.raises(ValueError, match="cannot import"):
         resolve("no_such_module:fn")
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(-(10**6), 10**6), st.integers(-(10**6), 10**6), st.integers(0, 2))
+def test_integer_shortcut_agrees_with_math_verify(a, b, zeros):
+    from reward_fns.accuracy import _math_verify_matches, answer_matches
+
+    pred = ("-" if a < 0 else "") + "0" * zeros + str(abs(a))  # leading zeros too
+    for gold in (str(b), str(a)):
+        assert answer_matches(pred, gold) == _math_verify_matches(pred, gold)
