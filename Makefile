@@ -17,6 +17,10 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	# DeepSpeed compiles its CPU shared-memory collective op on first use (~40 s): do it here
+	$(PY) -c "import deepspeed.ops as o; from deepspeed.accelerator import get_accelerator as a; \
+	b = a().create_op_builder('ShareMemCommBuilder'); \
+	b and o.__compatible_ops__.get(b.NAME, False) and b.load()"
 	touch $@
 
 install: $(VENV)/.installed

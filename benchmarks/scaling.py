@@ -1,4 +1,5 @@
-"""How our GRPO step time grows with G, completion length, beta > 0 and a second CPU rank.
+"""How our GRPO step time grows with G, completion length, beta > 0 and a second CPU rank,
+and what the fast sampler and the skipped zero-advantage completions save.
 
     .venv/bin/python benchmarks/scaling.py [--steps 8]
 
@@ -21,6 +22,8 @@ from grpo.stages import base_model_dir, run_grpo, run_sft  # noqa: E402
 
 CASES = [
     ("baseline: G=8, 4 prompts, beta=0, 1 rank", []),
+    ("sampling with transformers generate() (engine hf)", ["model.generation_engine=hf"]),
+    ("training on every completion (skip_zero_advantage off)", ["grpo.skip_zero_advantage=false"]),
     ("beta=0.04 (reference loaded, KL)", ["grpo.beta=0.04"]),
     ("2 CPU ranks (ZeRO-2), same global batch", ["deepspeed.nproc=2", "deepspeed.zero_stage=2"]),
     ("G=4", ["grpo.num_generations=4"]),

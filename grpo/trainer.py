@@ -37,7 +37,7 @@ from grpo.evaluate import generate_for_rows
 from grpo.logprobs import token_entropy, token_logprobs
 from grpo.loss import policy_loss
 from grpo.modeling import completion_logits, encode_prompts, load_model, load_tokenizer
-from grpo.rollout import Rollout, generate
+from grpo.rollout import Rollout, generate, resolve_engine
 from reward_fns import resolve, score
 from reward_fns.registry import BUILTIN, with_time_limit
 
@@ -449,7 +449,11 @@ class Trainer:
                 f.close()
         save_policy(self.engine, self.tok, self.out / "policy", self.rank,
                     self.cfg.deepspeed.zero_stage)  # fmt: skip
-        return {"final": last, "seconds": time.time() - t_start, "start_step": start}
+        engine = resolve_engine(self.engine.module, self.cfg.model.generation_engine)
+        return {
+            "final": last, "seconds": time.time() - t_start, "start_step": start,
+            "generation_engine": engine,
+        }  # fmt: skip
 
     def _rollout_metrics(
         self, ro: Rollout, rewards: torch.Tensor, per_fn: dict[str, list]

@@ -130,6 +130,8 @@ def train_policy(cfg: Config, parent_id: str, reference: str, run_dir: Path) -> 
     if samples:
         c.log_table(run_id, data=pd.DataFrame(samples), artifact_file="completions.json")
     c.log_artifacts(run_id, str(out / "policy"), "policy")
+    # "auto" in the config; the tag says which engine actually sampled
+    c.set_tag(run_id, "generation_engine", summary.get("generation_engine", "unknown"))
     _finish(cfg, run_id)
     return {"policy": str(out / "policy"), "run_id": run_id, "seconds": summary["seconds"]}
 

@@ -59,6 +59,7 @@ def test_end_to_end_logs_registers_and_loads(store):
     by_name = {r.info.run_name: r for r in children}
     assert {"validate", "sft", "grpo", "sft-control", "evaluate"} <= set(by_name)
     grpo_run = by_name["grpo"].info.run_id
+    assert by_name["grpo"].data.tags["generation_engine"] == "fast"  # a Qwen2: the fast sampler
     reward = c.get_metric_history(grpo_run, "reward")
     assert [m.step for m in reward] == [1, 2, 3]
     assert len(c.get_metric_history(grpo_run, "eval/heldout_accuracy")) == 4  # steps 0..3
