@@ -260,15 +260,10 @@ class Trainer:
                 if idx.numel():
                     loss, m = self._micro_loss(ro, adv, ref_logps, idx, num_items)
                 else:
-                    # nothing left to train on: a zero-weighted real micro-batch of one row, so
-                    # that gradient hooks fire in the same order as on ranks that did train
-                    # (ZeRO-2 packs gradients into its reduce buckets in hook order)
-                    loss, _ = self._micro_loss(ro, adv, ref_logps, torch.tensor([0]), num_items)
-                    loss, m = loss * 0.0, {}
+                    loss, m = self._zero_gradient_loss(ro, adv, ref_logps, num_items), {}
                 if not torch.isfinite(loss):
                     nonfinite += 1
-                    # contributes a zero gradient, keeps the backward count equal on all ranks
-                    loss = sum(p.sum() for p in self.engine.parameters()) * 0.0
+                    loss = self._zero_gradient_loss(ro, adv, ref_logps, num_items)
                 self.engine.backward(loss * scale)
                 if j == self.n_micro - 1 and self.cfg.deepspeed.zero_stage == 0:
                     grad_norms.append(self._local_grad_norm())
@@ -311,7 +306,21 @@ class Trainer:
         if not (g.skip_zero_advantage and g.beta == 0 and g.loss_type == "dapo"):
             return torch.arange(n)
         per_row = adv.abs() if adv.dim() == 1 else adv.abs().sum(1)  # [N]
-        return (per_row > 0).nonzero().squeeze(1).cpu()
+        # != rather than >: a NaN advantage is kept, so its loss is seen as non-finite
+        return (per_row != 0).nonzero().squeeze(1).cpu()
+
+    def _zero_gradient_loss(
+        self, ro: Rollout, adv: torch.Tensor, ref_logps: torch.Tensor | None, num_items: float
+    ) -> torch.Tensor:
+        """A loss with an exactly zero gradient that still runs the model: one row, advantage 0,
+        weight 0. Every rank then makes the same backward calls with gradient hooks firing in
+        the same order (ZeRO-2 packs gradients into its reduce buckets in hook order)."""
+        one_row = torch.tensor([0])
+        loss, _ = self._micro_loss(ro, torch.zeros_like(adv), ref_logps, one_row, num_items)
+        if torch.isfinite(loss):
+            return loss * 0.0
+        # the model's own output is not finite: a zero gradient without a forward pass
+        return sum(p.sum() for p in self.engine.parameters()) * 0.0
 
     def _micro_loss(
         self,
