@@ -98,7 +98,8 @@ def _plain_generate_ratio(trainer) -> list[float]:
         torch.manual_seed(0)
         with torch.no_grad():
             model.generate(
-                input_ids=ids.repeat_interleave(8, 0), attention_mask=mask.repeat_interleave(8, 0),
+                input_ids=ids.repeat_interleave(s["num_generations"], 0),
+                attention_mask=mask.repeat_interleave(s["num_generations"], 0),
                 do_sample=True, temperature=1.0, max_new_tokens=s["max_completion_length"],
                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
             )  # fmt: skip

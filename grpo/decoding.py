@@ -19,7 +19,10 @@ Unsupported architectures are named by `unsupported_reason`; `rollout.generate` 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -167,8 +170,8 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
         srt, order = logits.sort(-1, descending=True)
-        cum = srt.softmax(-1).cumsum(-1)
-        drop_sorted = (cum - srt.softmax(-1)) >= top_p  # mass before this token already >= p
+        probs = srt.softmax(-1)
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p  # mass before this token already >= p
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
@@ -186,6 +189,21 @@ def sample_tokens(probs: torch.Tensor) -> torch.Tensor:
     return (cdf < u).sum(-1).clamp(max=probs.shape[-1] - 1)
 
 
+def _outside_inference_mode(fn: Callable[..., tuple[torch.Tensor, ...]]) -> Callable:
+    """Run fn in inference mode, which skips autograd's view and version bookkeeping (~15% of a
+    sampling step here), and clone its outputs outside it so that training may save them for
+    backward (inference tensors cannot be)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+        with torch.inference_mode():
+            out = fn(*args, **kwargs)
+        return tuple(t.clone() for t in out)
+
+    return wrapper
+
+
+@_outside_inference_mode
 def sample(
     model: torch.nn.Module,
     prompt_ids: torch.Tensor,  # [B, P] left-padded
@@ -200,7 +218,7 @@ def sample(
     do_sample: bool = True,
     num_generations: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Completions [B*G, C] (pad after EOS) and log pi of each sampled token (0 after EOS).
+    """Completions [B*G, C] and log pi of each sampled token [B*G, C].
 
     Each of the B prompts is prefilled once; its KV cache is then copied to its G rows
     (rows of one prompt contiguous), so the prompt costs one forward, not G.
@@ -208,31 +226,10 @@ def sample(
     Rows of the batch draw from one shared random stream: results are reproducible for a given
     seed and batch, not row by row across different batches.
 
-    C is the number of steps taken: max_new_tokens, or fewer when every row ended early.
+    C is the number of steps taken: max_new_tokens, or fewer when every row ended early. Tokens
+    after a row's first EOS are arbitrary (the row kept decoding until the next compaction) and
+    their log-probs too: rollout.generate masks both with completion_mask, for either engine.
     """
-    # inference mode skips autograd's view and version bookkeeping (~15% of a step here); the
-    # results are cloned outside it so that training may save them for backward
-    with torch.inference_mode():
-        out, logps = _sample(
-            model, prompt_ids, prompt_mask, max_new_tokens, eos_token_id, pad_token_id,
-            temperature, top_p, top_k, do_sample, num_generations,
-        )  # fmt: skip
-    return out.clone(), logps.clone()
-
-
-def _sample(
-    model: torch.nn.Module,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    max_new_tokens: int,
-    eos_token_id: int,
-    pad_token_id: int,
-    temperature: float,
-    top_p: float,
-    top_k: int,
-    do_sample: bool,
-    num_generations: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
     dec = Decoder(model)
     b, p = prompt_ids.shape  # b distinct prompts here; b * G rows after the prefill
     total = p + max_new_tokens
@@ -279,7 +276,7 @@ def _sample(
         else:
             tok = scaled.argmax(-1)
         # rows already done keep decoding until the next compaction; what they write after
-        # their EOS is overwritten with padding below
+        # their EOS is masked by the caller
         out[rows, step] = tok
         logps[rows, step] = logp_all.gather(1, tok[:, None]).squeeze(1)
         done = done | (tok == eos_token_id)
@@ -297,8 +294,4 @@ def _sample(
             tok[:, None], cos_t[at].unsqueeze(2), sin_t[at].unsqueeze(2), cache, p + step, bias
         )
         next_pos = next_pos + 1
-    out, logps = out[:, :steps], logps[:, :steps]
-    is_eos = out == eos_token_id
-    first = torch.where(is_eos.any(1), is_eos.int().argmax(1), steps)  # [B]
-    after = torch.arange(steps, device=dev).unsqueeze(0) > first.unsqueeze(1)
-    return out.masked_fill(after, pad_token_id), logps.masked_fill(after, 0.0)
+    return out[:, :steps], logps[:, :steps]

@@ -111,18 +111,13 @@ def generate(
     mask = prompt_mask.repeat_interleave(num_generations, 0)
     was_training = model.training
     model.eval()
+    sampler = decoding.sample if resolve_engine(model, engine) == "fast" else _hf_generate
     with gather_for_generation(model, zero_stage):
-        if resolve_engine(model, engine) == "fast":
-            comp, logps = decoding.sample(
-                model, prompt_ids, prompt_mask, max_new_tokens=max_completion_length,
-                eos_token_id=eos_token_id, pad_token_id=pad_token_id, temperature=temperature,
-                top_p=top_p, top_k=top_k, do_sample=do_sample, num_generations=num_generations,
-            )  # fmt: skip
-        else:
-            comp, logps = _hf_generate(
-                model, ids, mask, max_completion_length, eos_token_id, pad_token_id,
-                temperature, top_p, top_k, do_sample,
-            )  # fmt: skip
+        comp, logps = sampler(
+            model, prompt_ids, prompt_mask, max_new_tokens=max_completion_length,
+            eos_token_id=eos_token_id, pad_token_id=pad_token_id, temperature=temperature,
+            top_p=top_p, top_k=top_k, do_sample=do_sample, num_generations=num_generations,
+        )  # fmt: skip
     model.train(was_training)
     cmask, truncated = completion_mask(comp, eos_token_id)
     comp = comp.masked_fill(cmask == 0, pad_token_id)
@@ -143,18 +138,23 @@ def resolve_engine(model: torch.nn.Module, engine: str) -> str:
     return "hf"
 
 
+@torch.no_grad()
 def _hf_generate(
     model: torch.nn.Module,
-    ids: torch.Tensor,
-    mask: torch.Tensor,
-    max_completion_length: int,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    *,
+    max_new_tokens: int,
     eos_token_id: int,
     pad_token_id: int,
     temperature: float,
     top_p: float,
     top_k: int,
     do_sample: bool,
+    num_generations: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """decoding.sample's contract with transformers generate(): completions [B*G, C] and the
+    log-prob of each sampled token."""
     from transformers import GenerationConfig, LogitsProcessorList
 
     recorder = _LogpRecorder(temperature)
@@ -163,14 +163,15 @@ def _hf_generate(
         temperature=temperature if do_sample else None,
         top_p=top_p if do_sample else None,
         top_k=top_k if do_sample else None,
-        max_new_tokens=max_completion_length,
+        max_new_tokens=max_new_tokens,
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
         use_cache=True,
     )
+    ids = prompt_ids.repeat_interleave(num_generations, 0)
     out = model.generate(
         input_ids=ids,
-        attention_mask=mask,
+        attention_mask=prompt_mask.repeat_interleave(num_generations, 0),
         generation_config=gen_cfg,
         logits_processor=LogitsProcessorList([recorder]),
     )
