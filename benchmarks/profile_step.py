@@ -20,10 +20,11 @@ def main() -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from grpo.advantages import group_advantages
     from grpo.config import load_config
-    from grpo.stages import base_model_dir
-    from grpo.trainer import Trainer
+    from grpo.engine.loop import Trainer
+    from grpo.engine.sampling import sample_step
+    from grpo.engine.scoring import token_advantages
+    from grpo.launch.paths import base_model_dir
 
     p = argparse.ArgumentParser()
     p.add_argument("--model", help="model directory (default: the untrained tiny model)")
@@ -36,18 +37,27 @@ def main() -> None:
         f"model.generation_engine={a.engine}",
     ])  # fmt: skip
     t = Trainer(cfg, a.model or base_model_dir(cfg), out / "grpo")
+
+    def sample(step: int):  # noqa: ANN202
+        return sample_step(t.engine.module, t.tok, cfg, t.train_rows, step=step, rank=0,
+                           world=1, device=t.device)  # fmt: skip
+
+    def advantages(ro, rows, texts):  # noqa: ANN202
+        rewards = t.scorer(ro, rows, texts)[0]
+        per_completion = [rows[i // ro.group_size] for i in range(len(texts))]
+        return token_advantages(cfg.grpo, ro, rewards, per_completion, texts, t.tok)
+
     for step in range(3):
-        ro, rows, texts = t.sample(step)
-        adv = group_advantages(t.score(ro, rows, texts)[0], cfg.grpo.num_generations)
-        t.update(ro, adv, None)
+        ro, rows, texts = sample(step)
+        t.policy_update.update(ro, advantages(ro, rows, texts), None)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        ro, rows, texts = t.sample(3)
+        ro, rows, texts = sample(3)
     print(f"sampling: {tuple(ro.completion_ids.shape)} completions x tokens")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.rows))
-    adv = group_advantages(t.score(ro, rows, texts)[0], cfg.grpo.num_generations)
-    trained = t.trained_rows(adv, adv.shape[0]).numel()
+    adv = advantages(ro, rows, texts)
+    trained = t.policy_update.trained_rows(adv).numel()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        t.update(ro, adv, None)
+        t.policy_update.update(ro, adv, None)
     print(f"update: {trained} of {adv.shape[0]} completions have a non-zero advantage")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.rows))
     torch.distributed.destroy_process_group()

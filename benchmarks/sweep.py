@@ -13,8 +13,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from grpo.config import load_config  # noqa: E402
-from grpo.evaluate import evaluate_model, paired_difference  # noqa: E402
-from grpo.stages import run_grpo  # noqa: E402
+from grpo.eval.metrics import paired_difference  # noqa: E402
+from grpo.eval.run import evaluate_model  # noqa: E402
+from grpo.launch.runner import run_grpo  # noqa: E402
 
 
 def main() -> None:
@@ -46,8 +47,8 @@ def main() -> None:
             res[s] = round(rep["sets"][s]["accuracy"], 4)
             res[f"{s}_diff"] = [round(d["diff"], 4), round(d["ci_low"], 4), round(d["ci_high"], 4)]
         if a.control:
-            from grpo.data import training_sets
-            from grpo.sft import train_sft
+            from grpo.data.sets import training_sets
+            from grpo.engine.sft import train_sft
 
             ctl = out / f"v{i}_control"
             train_sft(cfg, a.reference, ctl, training_sets(cfg), max_seconds=secs,

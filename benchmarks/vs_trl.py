@@ -43,14 +43,14 @@ WARMUP = 3  # steps left out of the medians (first-step allocations, lazy import
 
 def _prompts(n: int) -> list[dict]:
     from grpo.config import DataConfig
-    from grpo.synthetic import make_sets
+    from grpo.data.synthetic import make_sets
 
     return make_sets(DataConfig(num_train=max(n, 1)))["train"][:n]
 
 
 def run_ours(model: str, steps: int, out: str, beta: float, train_all: bool = False) -> dict:
     from grpo.config import load_config
-    from grpo.trainer import Trainer
+    from grpo.engine.loop import Trainer
 
     s = SETTINGS
     cfg = load_config(ROOT / "configs" / "tiny.yaml", [
@@ -67,7 +67,8 @@ def run_ours(model: str, steps: int, out: str, beta: float, train_all: bool = Fa
     rows = [json.loads(x) for x in (Path(out) / "ours" / "metrics.jsonl").open()][WARMUP:]
     return {
         "step_time": [r["step_time"] for r in rows],
-        "generation": [r["time/generation"] for r in rows],
+        # sampling plus scoring and advantages: what TRL's generation phase also covers
+        "generation": [r["time/sampling"] + r["time/scoring"] for r in rows],
         "reference": [r["time/reference"] for r in rows],
         "training": [r["time/training"] for r in rows],
         "tokens": [r["completions/mean_length"] * 32 for r in rows],
@@ -78,11 +79,11 @@ def run_ours(model: str, steps: int, out: str, beta: float, train_all: bool = Fa
 
 
 def _plain_generate_ratio(trainer) -> list[float]:
-    """Our rollout.generate vs a plain transformers generate() on the same batch."""
+    """Our grpo.models.generate vs a plain transformers generate() on the same batch."""
     import torch
 
-    from grpo.modeling import encode_prompts
-    from grpo.rollout import generate
+    from grpo.models.generate import generate
+    from grpo.models.prompts import encode_prompts
 
     s, model, tok = SETTINGS, trainer.engine.module, trainer.tok
     rows = _prompts(s["prompts_per_step"])
@@ -204,7 +205,8 @@ def main() -> None:
         return
 
     from grpo.config import load_config
-    from grpo.stages import base_model_dir, run_sft
+    from grpo.launch.paths import base_model_dir
+    from grpo.launch.runner import run_sft
 
     cfg = load_config(ROOT / "configs" / "tiny.yaml", [f"output_dir={a.out}"])
     long_model = str(base_model_dir(cfg))

@@ -24,7 +24,7 @@ def _config(a: argparse.Namespace):  # noqa: ANN202
 
 
 def cmd_sft(a: argparse.Namespace) -> None:
-    from grpo.stages import run_sft
+    from grpo.launch.runner import run_sft
 
     cfg = _config(a)
     out = run_sft(cfg, force=a.force)
@@ -36,7 +36,7 @@ def cmd_sft(a: argparse.Namespace) -> None:
 
 
 def cmd_train(a: argparse.Namespace) -> None:
-    from grpo.stages import run_grpo, run_sft
+    from grpo.launch.runner import run_grpo, run_sft
 
     cfg = _config(a)
     # run_sft reuses a cached reference, and returns model.path itself when SFT is off
@@ -52,7 +52,8 @@ def cmd_train(a: argparse.Namespace) -> None:
 
 
 def cmd_evaluate(a: argparse.Namespace) -> None:
-    from grpo.evaluate import evaluate_model, markdown_table
+    from grpo.eval.metrics import markdown_table
+    from grpo.eval.run import evaluate_model
 
     cfg = _config(a)
     model = a.model
@@ -67,7 +68,7 @@ def cmd_evaluate(a: argparse.Namespace) -> None:
     print(markdown_table(report))
     print(f"report: {out}/report.json  samples: {out}/samples.jsonl")
     if a.baseline:
-        from grpo.evaluate import paired_difference
+        from grpo.eval.metrics import paired_difference
 
         base_out = f"{out}_baseline"
         evaluate_model(cfg, a.baseline, sets, base_out, samples=samples, limit=a.limit)
@@ -140,9 +141,9 @@ def main(argv: list[str] | None = None) -> None:
     sv.add_argument("--mlflow-port", type=int, default=5000)
     a = p.parse_args(argv)
     from grpo.config import ConfigError
-    from grpo.data import DataError
-    from grpo.modeling import ModelDirError
-    from grpo.stages import StageError
+    from grpo.data.files import DataError
+    from grpo.launch.runner import StageError
+    from grpo.models.loading import ModelDirError
 
     try:
         a.fn(a)

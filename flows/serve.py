@@ -46,7 +46,6 @@ def serve(config: str, prefect_port: int = 4200, mlflow_port: int = 5000) -> Non
         "MLFLOW_TRACKING_URI": f"http://{host}:{mlflow_port}",
         "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
         "HF_HUB_OFFLINE": "1",
-        "GRPO_CONFIG": config,
     }
     logs = PROJECT / "runs" / "serve"
     logs.mkdir(parents=True, exist_ok=True)

@@ -1,20 +1,11 @@
-"""GRPO core: advantages, the clipped policy loss with its aggregations, token log-probs.
+"""GRPO core, one package per concern (README "Layout", docs/ALGORITHM.md):
 
-Importing this package loads torch only; the trainer, data and model modules are imported by
-name where they are used (`from grpo.trainer import ...`).
+- grpo.algo: the math (advantages, policy loss, log-probs), pure tensor functions;
+- grpo.config: the one typed config;
+- grpo.data: datasets and the training order; grpo.models: loading, prompts, generation;
+- grpo.eval: metrics (pure) and evaluation runs;
+- grpo.engine: the training loop and its steps, SFT, DeepSpeed, checkpoints;
+- grpo.launch: running a stage in this process or as DeepSpeed ranks.
+
+Importing this package imports nothing; import the module you need.
 """
-
-from grpo.advantages import group_advantages, process_advantages, zero_std_groups
-from grpo.logprobs import token_entropy, token_logprobs
-from grpo.loss import aggregate, k3_kl, policy_loss
-
-__all__ = [
-    "aggregate",
-    "group_advantages",
-    "k3_kl",
-    "policy_loss",
-    "process_advantages",
-    "token_entropy",
-    "token_logprobs",
-    "zero_std_groups",
-]

@@ -18,6 +18,7 @@ from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from typing import Any
 
+from reward_fns.registry import reward_function
 from reward_fns.text import completion_text
 
 MAX_ANSWER_CHARS = 2000
@@ -94,6 +95,7 @@ def _score_batch(texts: list[str], answers: list[str]) -> list[float]:
     return [1.0 if is_correct(t, a) else 0.0 for t, a in zip(texts, answers)]
 
 
+@reward_function("accuracy")
 def accuracy(completions: Sequence[Any], answer: Sequence[str], **kwargs: Any) -> list[float]:
     """1.0 when the completion's final answer equals the gold `answer`, else 0.0.
 

@@ -2,23 +2,23 @@
 
 A process reward function returns, per completion, (step_rewards, step_end_chars): one reward per
 reasoning step and the character offset in the completion where that step ends. The trainer maps
-character offsets to token positions and calls grpo.process_advantages.
+character offsets to token positions and calls grpo.algo.process_advantages.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from reward_fns.accuracy import is_correct
+from reward_fns.registry import process_reward
 from reward_fns.text import completion_text
 
 _STEP = re.compile(r"(\d+(?:\+\d+)+)=(\d+)")
 
-ProcessRewardFn = Callable[..., list[tuple[list[float], list[int]]]]
 
-
+@process_reward("arithmetic_steps")
 def arithmetic_steps(
     completions: Sequence[Any], answer: Sequence[str], **kwargs: Any
 ) -> list[tuple[list[float], list[int]]]:
@@ -42,6 +42,3 @@ def arithmetic_steps(
         ends.append(max(len(text) - 1, 0))
         out.append((rewards, ends))
     return out
-
-
-PROCESS_REWARDS: dict[str, ProcessRewardFn] = {"arithmetic_steps": arithmetic_steps}

@@ -1,131 +1,53 @@
-"""Reward functions by name, weighted scoring, and errors that say which function failed.
+"""The names a config may use for reward functions: one dict each, filled by decorators.
 
-A reward function has TRL's signature: fn(completions, **columns) -> list[float | None]. None
-means "not applicable" and is left out of that completion's weighted sum. Config entries are
-registry names ("accuracy", "format", "soft_overlong") or import paths ("my_pkg.rewards:fn").
+REWARD_FUNCS: name -> builder(**settings) -> reward function with TRL's signature
+`fn(completions, **columns) -> list[float | None]`. Most builders return a plain function;
+`soft_overlong` builds one from the GRPO settings (max_completion_length, overlong_cache).
+PROCESS_REWARDS: name -> step-level reward function (reward_fns.process).
+Config entries are these names, or import paths "package.module:function" (reward_fns.scoring).
 """
 
 from __future__ import annotations
 
-import importlib
-import math
-import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from typing import Any
 
-from reward_fns.accuracy import accuracy
-from reward_fns.format import format_reward, soft_overlong_penalty
-
 RewardFn = Callable[..., list]
-BUILTIN = ("accuracy", "format", "soft_overlong")
+RewardBuilder = Callable[..., RewardFn]
+ProcessRewardFn = Callable[..., list[tuple[list[float], list[int]]]]
+
+REWARD_FUNCS: dict[str, RewardBuilder] = {}
+PROCESS_REWARDS: dict[str, ProcessRewardFn] = {}
 
 
-class RewardFunctionError(RuntimeError):
-    """A reward function raised or returned something unusable."""
+def reward_function(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Register a plain reward function under `name`."""
 
+    def register(fn: RewardFn) -> RewardFn:
+        def build(**settings: Any) -> RewardFn:
+            return fn
 
-def resolve(name: str, *, max_completion_length: int = 0, overlong_cache: int = 0) -> RewardFn:
-    """Turn a config entry into a reward function."""
-    if name == "accuracy":
-        return accuracy
-    if name == "format":
-        return format_reward
-    if name == "soft_overlong":
-        return soft_overlong_penalty(max_completion_length, overlong_cache)
-    if ":" in name:
-        module, _, attr = name.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"reward_funcs: cannot import {name!r}: {e}") from e
-        if not callable(fn):
-            raise ValueError(f"reward_funcs: {name!r} is not callable")
+        REWARD_FUNCS[name] = build
         return fn
-    raise ValueError(
-        f"reward_funcs: unknown reward function {name!r}; use one of "
-        "accuracy, format, soft_overlong or an import path 'package.module:function'"
-    )
+
+    return register
 
 
-def with_time_limit(name: str, fn: RewardFn, seconds: float) -> RewardFn:
-    """Wrap a reward function so a call that hangs raises instead of stalling the run.
+def reward_builder(name: str) -> Callable[[RewardBuilder], RewardBuilder]:
+    """Register a builder that makes a reward function from the GRPO settings."""
 
-    The call runs in a daemon thread: a hung thread cannot be killed, but the step fails with a
-    clear error and the process can exit. Built-in functions bound their own time
-    (math-verify limits) and are not wrapped.
-    """
+    def register(builder: RewardBuilder) -> RewardBuilder:
+        REWARD_FUNCS[name] = builder
+        return builder
 
-    def limited(completions: Sequence[Any], **columns: Any) -> list:
-        box: dict[str, Any] = {}
-
-        def target() -> None:
-            try:
-                box["out"] = fn(completions, **columns)
-            except Exception as e:  # noqa: BLE001 - re-raised in the caller's thread
-                box["err"] = e
-
-        t = threading.Thread(target=target, daemon=True, name=f"reward-{name}")
-        t.start()
-        t.join(seconds)
-        if t.is_alive():
-            raise RewardFunctionError(
-                f"reward function {name!r} did not return within {seconds:g}s "
-                f"({len(completions)} completions)"
-            )
-        if "err" in box:
-            raise box["err"]
-        return box["out"]
-
-    return limited
+    return register
 
 
-def _call(name: str, fn: RewardFn, completions: Sequence[Any], columns: Mapping) -> list:
-    try:
-        out = list(fn(completions, **columns))
-    except RewardFunctionError:
-        raise
-    except Exception as batch_error:
-        # find the first completion that makes it fail, so the error can name it
-        for i in range(len(completions)):
-            try:
-                fn(completions[i : i + 1], **{k: v[i : i + 1] for k, v in columns.items()})
-            except Exception as e:
-                raise RewardFunctionError(
-                    f"reward function {name!r} raised on completion {i}: {type(e).__name__}: {e}"
-                ) from e
-        raise RewardFunctionError(
-            f"reward function {name!r} raised on the batch: {type(batch_error).__name__}: "
-            f"{batch_error}"
-        ) from batch_error
-    if len(out) != len(completions):
-        raise RewardFunctionError(
-            f"reward function {name!r} returned {len(out)} values "
-            f"for {len(completions)} completions"
-        )
-    for i, v in enumerate(out):
-        if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v)):
-            raise RewardFunctionError(
-                f"reward function {name!r} returned {v!r} for completion {i}; "
-                "expected a finite number or None"
-            )
-    return out
+def process_reward(name: str) -> Callable[[ProcessRewardFn], ProcessRewardFn]:
+    """Register a step-level reward function under `name` (`grpo.process_reward`)."""
 
+    def register(fn: ProcessRewardFn) -> ProcessRewardFn:
+        PROCESS_REWARDS[name] = fn
+        return fn
 
-def score(
-    funcs: Mapping[str, RewardFn],
-    weights: Sequence[float],
-    completions: Sequence[Any],
-    columns: Mapping[str, Sequence[Any]],
-) -> tuple[list[float], dict[str, list[float | None]]]:
-    """Weighted reward per completion and each function's raw scores.
-
-    A None score is left out of that completion's sum (the other functions still count).
-    """
-    if len(weights) != len(funcs):
-        raise ValueError(f"reward_weights: {len(weights)} weights for {len(funcs)} functions")
-    per_fn = {name: _call(name, fn, completions, columns) for name, fn in funcs.items()}
-    totals = []
-    for i in range(len(completions)):
-        vals = [(w, per_fn[n][i]) for n, w in zip(per_fn, weights)]
-        totals.append(float(sum(w * v for w, v in vals if v is not None)))
-    return totals, per_fn
+    return register

@@ -34,7 +34,7 @@ def validate_data(cfg: Config, parent_id: str, run_dir: Path) -> dict[str, Any]:
     import pandas as pd
     from mlflow.entities import DatasetInput, InputTag
 
-    from grpo.data import eval_set, training_sets
+    from grpo.data.sets import eval_set, training_sets
     from tasks.validation import DataValidationError, set_label, validate_datasets
 
     run_id = child_run(cfg, parent_id, "validate")
@@ -70,7 +70,7 @@ def validate_data(cfg: Config, parent_id: str, run_dir: Path) -> dict[str, Any]:
 @task(name="build-reference")
 def build_reference(cfg: Config, parent_id: str) -> str:
     """SFT reference, cached by a hash of its config and data (a re-run reuses it)."""
-    from grpo.stages import run_sft
+    from grpo.launch.runner import run_sft
 
     log = get_run_logger()
     run_id = child_run(cfg, parent_id, "sft")
@@ -97,7 +97,7 @@ def train_policy(cfg: Config, parent_id: str, reference: str, run_dir: Path) -> 
     """
     import pandas as pd
 
-    from grpo.stages import run_grpo
+    from grpo.launch.runner import run_grpo
 
     log = get_run_logger()
     run_id = child_run(cfg, parent_id, "grpo")
@@ -139,8 +139,8 @@ def train_policy(cfg: Config, parent_id: str, reference: str, run_dir: Path) -> 
 @task(name="sft-control")
 def sft_control(cfg: Config, parent_id: str, reference: str, seconds: float, run_dir: Path) -> str:
     """The honest control: the SFT reference trained on for the GRPO stage's wall time."""
-    from grpo.data import training_sets
-    from grpo.sft import train_sft
+    from grpo.data.sets import training_sets
+    from grpo.engine.sft import train_sft
 
     run_id = child_run(cfg, parent_id, "sft-control")
     out = run_dir / "sft_control"
@@ -162,7 +162,8 @@ def evaluate(cfg: Config, parent_id: str, models: dict[str, str], run_dir: Path)
     import pandas as pd
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-    from grpo.evaluate import evaluate_model, paired_difference
+    from grpo.eval.metrics import paired_difference
+    from grpo.eval.run import evaluate_model
 
     run_id = child_run(cfg, parent_id, "evaluate")
     c = tracking.client(cfg)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo.config import Config
-from grpo.data import eval_set, training_sets
+from grpo.data.sets import eval_set, training_sets
 from reward_fns import gold_parses
 
 

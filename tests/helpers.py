@@ -35,14 +35,15 @@ def small_config(tmp: Path, *extra: str) -> Config:
     return load_config(ROOT / "configs" / "tiny.yaml", [*SMALL, f"output_dir={tmp}", *extra])
 
 
-def fixed_rollout(tok, completions: list[str], prompt: str = "12+34="):  # noqa: ANN201
+def fixed_rollout(tok, completions: list[str], prompt: str = "12+34=", group_size=None):  # noqa: ANN201
     """A Rollout of given completion texts (right-padded, each ending with EOS) after one prompt.
 
-    Lets a test drive Trainer.update on known completions instead of sampled ones.
+    Lets a test drive the update on known completions instead of sampled ones. One group of all
+    completions unless group_size says otherwise.
     """
     import torch
 
-    from grpo.rollout import Rollout
+    from grpo.models.generate import Rollout
 
     p = tok([prompt] * len(completions), return_tensors="pt", add_special_tokens=False)
     seqs = [tok(x, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for x in completions]
@@ -51,4 +52,13 @@ def fixed_rollout(tok, completions: list[str], prompt: str = "12+34="):  # noqa:
     for i, s in enumerate(seqs):
         ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), 1
     no_trunc = torch.zeros(len(seqs), dtype=torch.bool)
-    return Rollout(p["input_ids"], p["attention_mask"], ids, mask, no_trunc, torch.zeros(ids.shape))
+    return Rollout(
+        p["input_ids"], p["attention_mask"], ids, mask, no_trunc, torch.zeros(ids.shape),
+        group_size or len(completions),
+    )  # fmt: skip
+
+
+def per_token(adv, ro):  # noqa: ANN201
+    """Outcome advantages [N] broadcast over the rollout's completion tokens [N, C], as the
+    scoring step does."""
+    return adv.unsqueeze(1).expand(ro.completion_ids.shape)

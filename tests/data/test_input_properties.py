@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from grpo.config import ConfigError, load_config
-from grpo.data import DataError, normalize, read_rows
+from grpo.data.files import DataError, normalize, read_rows
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=20),

@@ -7,7 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from grpo.stages import base_model_dir, run_subprocess, write_config
+from grpo.launch.paths import base_model_dir, write_config
+from grpo.launch.runner import run_subprocess
 from tests.helpers import small_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]

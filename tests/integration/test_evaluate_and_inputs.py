@@ -6,9 +6,11 @@ import sys
 
 import pytest
 
-from grpo.data import DataError, eval_set, read_rows
-from grpo.evaluate import evaluate_model, summarize
-from grpo.stages import base_model_dir
+from grpo.data.files import DataError, read_rows
+from grpo.data.sets import eval_set
+from grpo.eval.metrics import summarize
+from grpo.eval.run import evaluate_model
+from grpo.launch.paths import base_model_dir
 from tests.helpers import ROOT, small_config
 
 pytestmark = pytest.mark.slow
@@ -80,7 +82,7 @@ def test_cli_refuses_a_broken_config_naming_the_field(tmp_path):
 
 
 def test_model_directory_without_tokenizer_is_refused(tmp_path):
-    from grpo.modeling import ModelDirError, load_tokenizer
+    from grpo.models.loading import ModelDirError, load_tokenizer
 
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text("{}")

@@ -6,7 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from grpo.stages import StageError, base_model_dir, run_grpo
+from grpo.launch.paths import base_model_dir
+from grpo.launch.runner import StageError, run_grpo
 from reward_fns import RewardFunctionError
 from tests.helpers import small_config
 
@@ -14,7 +15,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.faults]
 
 
 def test_a_hung_reward_function_fails_the_step_naming_it(tmp_path):
-    from grpo.trainer import Trainer
+    from grpo.engine.loop import Trainer
 
     cfg = small_config(
         tmp_path, "grpo.reward_funcs=[accuracy, 'tests.fault_rewards:hang']",
@@ -29,7 +30,7 @@ def test_a_hung_reward_function_fails_the_step_naming_it(tmp_path):
 
 @pytest.mark.parametrize("policy", ["skip", "stop"])
 def test_non_finite_loss_is_skipped_or_stops_keeping_the_checkpoint(tmp_path, policy):
-    from grpo.trainer import Trainer
+    from grpo.engine.loop import Trainer
 
     cfg = small_config(
         tmp_path, "grpo.reward_funcs=['tests.fault_rewards:overflow']", "grpo.reward_weights=[1]",

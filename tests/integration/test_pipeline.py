@@ -89,7 +89,7 @@ def test_end_to_end_logs_registers_and_loads(store):
 
     # models:/NAME@champion loads and generates
     from grpo.config import load_config
-    from grpo.modeling import load_model, load_tokenizer
+    from grpo.models.loading import load_model, load_tokenizer
     from tasks.registry import download_model
 
     cfg = load_config(CONFIG, _overrides(tmp))
@@ -133,7 +133,7 @@ def test_failing_validation_stops_before_training(store, tmp_path):
     leaked = tmp_path / "leaked.jsonl"
     # a held-out set that contains a training prompt, and an answer math-verify cannot parse
     from grpo.config import load_config
-    from grpo.data import training_sets
+    from grpo.data.sets import training_sets
 
     cfg = load_config(CONFIG, _overrides(tmp))
     train_prompt = training_sets(cfg)["train"][0]["prompt"]
@@ -163,7 +163,7 @@ def test_failing_validation_stops_before_training(store, tmp_path):
 
 
 def test_sft_reference_cache_hit(tmp_path):
-    from grpo.stages import run_sft
+    from grpo.launch.runner import run_sft
     from tests.helpers import small_config
 
     cfg = small_config(tmp_path)

@@ -11,14 +11,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from grpo.stages import base_model_dir, run_subprocess, write_config
+from grpo.launch.paths import base_model_dir, write_config
+from grpo.launch.runner import run_subprocess
 from tests.helpers import small_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.faults]
 
 
 def _cmd(cfg_path: Path, base: Path, out: Path, resume: bool) -> list[str]:
-    cmd = [sys.executable, "-m", "grpo.worker", "train", "--config", str(cfg_path),
+    cmd = [sys.executable, "-m", "grpo.launch.worker", "train", "--config", str(cfg_path),
            "--policy", str(base), "--out", str(out)]  # fmt: skip
     return cmd + (["--resume"] if resume else [])
 
@@ -57,8 +58,8 @@ def test_kill_and_resume_matches_uninterrupted_run(tmp_path):
 
 
 def test_a_kill_during_checkpoint_write_leaves_the_previous_one_usable(tmp_path):
-    from grpo import checkpoint
-    from grpo.trainer import Trainer
+    from grpo.engine import checkpoint
+    from grpo.engine.loop import Trainer
 
     cfg = small_config(tmp_path, "grpo.steps=2", "grpo.checkpoint_every=2")
     t = Trainer(cfg, base_model_dir(cfg), tmp_path / "grpo")

@@ -3,16 +3,16 @@
 import pytest
 import torch
 
-from grpo.rollout import Rollout
-from grpo.stages import base_model_dir
-from tests.helpers import fixed_rollout, small_config
+from grpo.launch.paths import base_model_dir
+from grpo.models.generate import Rollout
+from tests.helpers import fixed_rollout, per_token, small_config
 
 pytestmark = pytest.mark.slow
 
 
 def _seq_logp(trainer, ro: Rollout, i: int) -> float:
-    from grpo.logprobs import token_logprobs
-    from grpo.modeling import completion_logits
+    from grpo.algo.logprobs import token_logprobs
+    from grpo.models.forward import completion_logits
 
     with torch.no_grad():
         logits = completion_logits(
@@ -24,15 +24,16 @@ def _seq_logp(trainer, ro: Rollout, i: int) -> float:
 
 
 def test_one_grpo_update_raises_the_rewarded_completion(tmp_path):
-    from grpo.trainer import Trainer
+    from grpo.engine.loop import Trainer
 
     cfg = small_config(tmp_path, "grpo.lr=0.01", "grpo.warmup_steps=0", "grpo.lr_schedule=constant")
     t = Trainer(cfg, base_model_dir(cfg), tmp_path / "grpo")
-    assert t.ref is None  # beta = 0: the reference model is never loaded
+    assert t.reference is None  # beta = 0: the reference model is never loaded
+    assert "kl" not in t.policy_update.metric_keys
     ro = fixed_rollout(t.tok, ["<think>4+2=6</think><answer>46</answer>", "<answer>99</answer>"])
     before = [p.detach().clone() for p in t.engine.module.parameters()]
     lp_good, lp_bad = _seq_logp(t, ro, 0), _seq_logp(t, ro, 1)
-    m = t.update(ro, torch.tensor([1.0, -1.0]), None)
+    m = t.policy_update.update(ro, per_token(torch.tensor([1.0, -1.0]), ro), None)
     after = list(t.engine.module.parameters())
     assert any(not torch.equal(a, b) for a, b in zip(before, after))
     assert _seq_logp(t, ro, 0) > lp_good
@@ -41,16 +42,21 @@ def test_one_grpo_update_raises_the_rewarded_completion(tmp_path):
 
 
 def test_beta_positive_loads_a_frozen_reference(tmp_path):
-    from grpo.trainer import Trainer
+    from grpo.engine.loop import Trainer
 
     cfg = small_config(tmp_path, "grpo.beta=0.04")
     t = Trainer(cfg, base_model_dir(cfg), tmp_path / "grpo")
-    assert t.ref is not None
-    assert not any(p.requires_grad for p in t.ref.parameters())
+    assert t.reference is not None and "kl" in t.policy_update.metric_keys
+    assert not any(p.requires_grad for p in t.reference.model.parameters())
+    # the KL of the policy to itself (the reference is the starting policy) is exactly 0
+    ro = fixed_rollout(t.tok, ["<answer>46</answer>", "<answer>4</answer>"])
+    ref_logps = t.reference.logps(ro, micro=2)
+    m = t.policy_update.update(ro, per_token(torch.tensor([1.0, -1.0]), ro), ref_logps)
+    assert m["kl"] == pytest.approx(0.0, abs=1e-6)
 
 
 def test_prompt_order_is_deterministic_and_covers_the_epoch():
-    from grpo.trainer import prompt_indices
+    from grpo.data.order import prompt_indices
 
     seen = [i for s in range(5) for i in prompt_indices(s, 0, 4, 1, 20, seed=3)]
     assert sorted(seen) == list(range(20))  # one epoch, every prompt once
@@ -60,7 +66,7 @@ def test_prompt_order_is_deterministic_and_covers_the_epoch():
 
 
 def test_process_supervision_and_dynamic_sampling_steps_run(tmp_path):
-    from grpo.trainer import Trainer
+    from grpo.engine.loop import Trainer
 
     cfg = small_config(
         tmp_path, "grpo.advantage_mode=process", "grpo.dynamic_sampling=true",
@@ -73,13 +79,14 @@ def test_process_supervision_and_dynamic_sampling_steps_run(tmp_path):
 
 
 def test_process_advantages_map_characters_to_tokens(tmp_path):
-    from grpo.trainer import Trainer
+    from grpo.engine.scoring import token_advantages
+    from grpo.models.loading import load_tokenizer
 
     cfg = small_config(tmp_path, "grpo.advantage_mode=process", "grpo.num_generations=2")
-    t = Trainer(cfg, base_model_dir(cfg), tmp_path / "grpo")
+    tok = load_tokenizer(base_model_dir(cfg))
     texts = ["<think>1+2=3</think><answer>3</answer>", "<think>1+2=4</think><answer>4</answer>"]
-    ro = fixed_rollout(t.tok, texts)
-    adv = t.process_advantages(ro, [{"answer": "3"}] * 2, texts)
+    ro = fixed_rollout(tok, texts)
+    adv = token_advantages(cfg.grpo, ro, torch.zeros(2), [{"answer": "3"}] * 2, texts, tok)
     # pooled step rewards (1, 1, 0, 0): mean 0.5, std 0.5 -> +1 / -1 (up to eps)
     # completion 0: step "1+2=3" ends at token 5 (<think> is one token), answer at the end
     assert adv[0, 0].item() == pytest.approx(2.0, rel=1e-3)  # both steps end at/after t=0
@@ -95,7 +102,7 @@ def test_skipping_zero_advantage_rows_gives_the_same_update(tmp_path):
     6 rows, micro-batches of 2: trained on all rows, 3 micro-batches; with skipping, the 3 rows
     with a non-zero advantage fill 2 micro-batches and the third is a zero-gradient call.
     """
-    from grpo.trainer import Trainer
+    from grpo.engine.loop import Trainer
 
     texts = ["<answer>46</answer>", "<answer>4</answer>", "46", "<think>9+9", "<answer>", "x"]
     adv = torch.tensor([1.0, 0.0, -0.5, 0.0, 0.0, 2.0])
@@ -108,11 +115,14 @@ def test_skipping_zero_advantage_rows_gives_the_same_update(tmp_path):
         )  # fmt: skip
         t = Trainer(cfg, base_model_dir(cfg), tmp_path / str(skip) / "grpo")
         ro = fixed_rollout(t.tok, texts)
-        assert t.trained_rows(adv, 6).tolist() == ([0, 2, 5] if skip else list(range(6)))
+        up = t.policy_update
+        assert up.trained_rows(per_token(adv, ro)).tolist() == (
+            [0, 2, 5] if skip else list(range(6))
+        )
         # a NaN advantage is trained on, so that its non-finite loss is seen and handled
-        nan_adv = torch.tensor([float("nan"), 0.0, 1.0])
-        assert t.trained_rows(nan_adv, 3).tolist() == ([0, 2] if skip else [0, 1, 2])
-        t.update(ro, adv, None)
+        nan_adv = torch.tensor([[float("nan")], [0.0], [1.0]])
+        assert up.trained_rows(nan_adv).tolist() == ([0, 2] if skip else [0, 1, 2])
+        up.update(ro, per_token(adv, ro), None)
         weights[skip] = [p.detach().clone() for p in t.engine.module.parameters()]
     for a, b in zip(weights[True], weights[False], strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from grpo import group_advantages, process_advantages, zero_std_groups
+from grpo.algo import group_advantages, process_advantages, zero_std_groups
 
 
 def test_zscore_worked_example_from_grpo_md():

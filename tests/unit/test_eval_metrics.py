@@ -4,7 +4,13 @@ import math
 
 import pytest
 
-from grpo.evaluate import majority_correct, paired_difference, pass_at_k, summarize, wilson_interval
+from grpo.eval.metrics import (
+    majority_correct,
+    paired_difference,
+    pass_at_k,
+    summarize,
+    wilson_interval,
+)
 
 
 def test_pass_at_k_hand_values():

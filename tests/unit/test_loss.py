@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from grpo import k3_kl, policy_loss, token_entropy, token_logprobs
+from grpo.algo import k3_kl, policy_loss, token_entropy, token_logprobs
 
 MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
 ZERO = torch.zeros(2, 3)
@@ -29,7 +29,9 @@ def test_ratio_one_gives_minus_advantage_per_token():
 def test_clipping_high_side_for_positive_advantage():
     logps = torch.tensor([[math.log(1.5), 0.0]])
     mask = torch.ones(1, 2)
-    loss, m = policy_loss(logps, torch.zeros(1, 2), torch.tensor([1.0]), mask, loss_type="bnpo")
+    loss, m = policy_loss(
+        logps, torch.zeros(1, 2), torch.tensor([1.0]), mask, loss_type="bnpo", eps_high=0.2
+    )
     # token 0: min(1.5, 1.2) = 1.2; token 1: 1.0 -> loss = -(1.2 + 1.0) / 2
     assert loss.item() == pytest.approx(-1.1)
     assert m["clip_ratio/high_mean"] == pytest.approx(0.5)
@@ -86,6 +88,7 @@ def test_gspo_sequence_ratio_is_geometric_mean():
         mask,
         importance_level="sequence",
         eps_low=0.5,
+        eps_high=0.5,
         loss_type="bnpo",
     )
     s = math.sqrt(1.1 * 1.5)

@@ -96,11 +96,11 @@ def test_format_reward_cannot_be_farmed_by_repeating_tags():
 
 
 def test_soft_overlong_penalty_hand_values():
-    fn = soft_overlong_penalty(max_completion_length=10, cache_length=4)
+    fn = soft_overlong_penalty(max_completion_length=10, overlong_cache=4)
     ids = [[0] * n for n in (3, 6, 8, 10, 12)]
     # free length 6: 0, 0, (6-8)/4, (6-10)/4, -1
     assert fn(["x"] * 5, completion_ids=ids) == [0.0, 0.0, -0.5, -1.0, -1.0]
-    with pytest.raises(ValueError, match="cache_length"):
+    with pytest.raises(ValueError, match="overlong_cache"):
         soft_overlong_penalty(10, 0)
 
 
@@ -122,12 +122,23 @@ def test_failing_reward_function_is_named_with_the_completion_index():
 
 
 def test_registry_resolves_names_and_import_paths():
-    assert resolve("accuracy") is accuracy
-    assert resolve("reward_fns.format:format_reward") is format_reward
+    settings = {"max_completion_length": 10, "overlong_cache": 4}
+    assert resolve("accuracy", **settings) is accuracy
+    assert resolve("reward_fns.format:format_reward", **settings) is format_reward
+    # a builder gets the GRPO settings: the penalty ramp starts at 10 - 4 tokens
+    overlong = resolve("soft_overlong", **settings)
+    assert overlong(["a", "b"], completion_ids=[[0] * 6, [0] * 8]) == [0.0, -0.5]
     with pytest.raises(ValueError, match="unknown reward function 'nope'"):
-        resolve("nope")
+        resolve("nope", **settings)
     with pytest.raises(ValueError, match="cannot import"):
-        resolve("no_such_module:fn")
+        resolve("no_such_module:fn", **settings)
+
+
+def test_registries_list_every_builtin_once():
+    from reward_fns import PROCESS_REWARDS, REWARD_FUNCS
+
+    assert sorted(REWARD_FUNCS) == ["accuracy", "format", "soft_overlong"]
+    assert list(PROCESS_REWARDS) == ["arithmetic_steps"]
 
 
 @settings(max_examples=150, deadline=None)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from grpo.distributed import lr_lambda
+from grpo.engine.schedules import lr_lambda
 
 
 def test_warmup_then_cosine_linear_and_constant():

@@ -11,9 +11,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from grpo.config import load_config  # noqa: E402
-from grpo.distributed import save_policy  # noqa: E402
-from grpo.trainer import Trainer  # noqa: E402
-from tests.helpers import fixed_rollout  # noqa: E402
+from grpo.engine.deepspeed_setup import save_policy  # noqa: E402
+from grpo.engine.loop import Trainer  # noqa: E402
+from tests.helpers import fixed_rollout, per_token  # noqa: E402
 
 
 def main() -> None:
@@ -28,10 +28,11 @@ def main() -> None:
     # row of rank 1, which then makes only zero-gradient backward calls
     adv[1] = 0.0
     adv[4:] = 0.0
-    ro = fixed_rollout(t.tok, texts)
     n = len(texts) // t.world
+    ro = fixed_rollout(t.tok, texts, group_size=n)  # each rank's share is whole groups
     mine = torch.arange(t.rank * n, (t.rank + 1) * n)
-    t.update(ro.select(mine), adv[mine], None)
+    share = ro.select(mine)
+    t.policy_update.update(share, per_token(adv[mine], share), None)
     save_policy(t.engine, t.tok, Path(out) / "policy", t.rank, cfg.deepspeed.zero_stage)
 
 

@@ -1,10 +1,12 @@
-"""Loading a model directory and turning problems into prompt token ids.
+"""Loading and saving a Hugging Face model directory.
 
 Loading is safetensors-only (use_safetensors=True): a model directory never unpickles code.
+Saving is atomic: a directory is written under a temporary name and renamed.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +14,12 @@ import torch
 
 from grpo.config import Config
 
-SYSTEM_PROMPT = (
-    "Think step by step inside <think></think>, then give only the final answer inside "
-    "<answer></answer>."
-)
+
+def device_for(cfg: Config) -> torch.device:
+    """Where this process runs its model: the CPU, or the GPU of its local rank."""
+    if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
 class ModelDirError(ValueError):
@@ -48,43 +52,6 @@ def load_model(path: str | Path, dtype: str = "float32", trainable: bool = True)
     )
     model.requires_grad_(trainable)
     return model
-
-
-def render_prompt(tokenizer: Any, problem: str, cfg: Config) -> str:
-    """The text the model sees before its completion: plain, or the chat template."""
-    if not cfg.model.chat_template:
-        return problem
-    messages = [
-        {"role": "system", "content": cfg.model.system_prompt or SYSTEM_PROMPT},
-        {"role": "user", "content": problem},
-    ]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
-
-def encode_prompts(
-    tokenizer: Any, problems: list[str], cfg: Config, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded prompt ids and attention mask [B, P]."""
-    texts = [render_prompt(tokenizer, p, cfg) for p in problems]
-    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    return enc["input_ids"].to(device), enc["attention_mask"].to(device)
-
-
-def completion_logits(
-    model: torch.nn.Module,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    completion_ids: torch.Tensor,
-    completion_mask: torch.Tensor,
-) -> torch.Tensor:
-    """Logits predicting each completion token [B, C, V], one forward over prompt+completion."""
-    ids = torch.cat([prompt_ids, completion_ids], 1)  # [B, P+C]
-    mask = torch.cat([prompt_mask, completion_mask], 1)
-    # positions count real tokens only, so left padding does not shift them
-    pos = (mask.cumsum(1) - 1).clamp(min=0)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits  # [B, P+C, V]
-    p, c = prompt_ids.shape[1], completion_ids.shape[1]
-    return logits[:, p - 1 : p + c - 1]  # position t predicts token t+1
 
 
 def save_model_dir(model: torch.nn.Module, tokenizer: Any, out: str | Path) -> Path:

@@ -1,7 +1,8 @@
-"""The stages as plain functions over the config: base model, SFT reference, GRPO, evaluation.
+"""Running a training stage (SFT reference, GRPO) in this process or as DeepSpeed ranks.
 
-Each runs in this process (one rank) or, with deepspeed.nproc > 1 or a hostfile, as ranks started
-by DeepSpeed's launcher running `python -m grpo.worker`. The CLI and the Prefect tasks call these.
+One rank runs in this process (SFT) or a child process (GRPO); with deepspeed.nproc > 1 or a
+hostfile, DeepSpeed's launcher starts the ranks running `python -m grpo.launch.worker`. The CLI
+and the Prefect tasks call these.
 """
 
 from __future__ import annotations
@@ -15,39 +16,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from grpo.config import Config
+from grpo.launch.paths import base_model_dir, reference_dir, write_config
 
 
 class StageError(RuntimeError):
     """A stage (or one of its ranks) failed; the message carries the failing output."""
-
-
-def base_model_dir(cfg: Config) -> Path:
-    """The model SFT starts from: model.path, or the tiny model built into the run directory."""
-    if cfg.model.path:
-        return Path(cfg.model.path)
-    from grpo.tiny_model import build_tiny_model
-
-    out = Path(cfg.output_dir) / "base" / f"tiny-{cfg.digest('model')}-s{cfg.seed}"
-    if not (out / "config.json").exists():
-        build_tiny_model(out, cfg.model.tiny, cfg.seed)
-    return out
-
-
-def reference_dir(cfg: Config) -> Path:
-    """Where the SFT reference of this config lives (model.path itself when SFT is off)."""
-    if not cfg.sft.enabled:
-        return Path(cfg.model.path or "")
-    key = cfg.digest("model", "data", "sft", "seed")
-    return Path(cfg.output_dir) / "sft" / key
-
-
-def write_config(cfg: Config, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-    return path
 
 
 def _distributed(cfg: Config) -> bool:
@@ -62,7 +36,7 @@ def launcher_command(cfg: Config, stage: str, config_path: Path, *args: str) -> 
         cmd += ["--hostfile", ds.hostfile]
     else:
         cmd += ["--num_gpus", str(ds.nproc)]
-    return cmd + ["--module", "grpo.worker", stage, "--config", str(config_path), *args]
+    return cmd + ["--module", "grpo.launch.worker", stage, "--config", str(config_path), *args]
 
 
 def run_subprocess(
@@ -108,8 +82,8 @@ def run_sft(cfg: Config, *, force: bool = False, log: Callable[[str], None] = pr
         cfg_path = write_config(cfg, out.with_name(out.name + "_config.yaml"))
         run_subprocess(launcher_command(cfg, "sft", cfg_path, "--base", str(base)), log)
     else:
-        from grpo.data import training_sets
-        from grpo.sft import train_sft
+        from grpo.data.sets import training_sets
+        from grpo.engine.sft import train_sft
 
         summary = train_sft(cfg, base, out, training_sets(cfg))
         (out / "sft_summary.json").write_text(json.dumps(summary, indent=2))
@@ -132,7 +106,15 @@ def run_grpo(
     run_subprocess(
         launcher_command(cfg, "train", cfg_path, *args)
         if _distributed(cfg)
-        else [sys.executable, "-m", "grpo.worker", "train", "--config", str(cfg_path), *args],
+        else [
+            sys.executable,
+            "-m",
+            "grpo.launch.worker",
+            "train",
+            "--config",
+            str(cfg_path),
+            *args,
+        ],
         log,
         env,
     )

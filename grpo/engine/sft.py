@@ -19,16 +19,12 @@ from typing import Any
 import torch
 
 from grpo.config import Config
-from grpo.distributed import (
-    BAR_INTERVAL,
-    all_reduce_sum,
-    build_engine,
-    device_for,
-    init_distributed,
-    save_policy,
-    time_cosine,
-)
-from grpo.modeling import load_model, load_tokenizer, render_prompt
+from grpo.engine.deepspeed_setup import build_engine, save_policy
+from grpo.engine.distributed import all_reduce_sum, init_distributed
+from grpo.engine.schedules import lr_lambda, time_cosine
+from grpo.models.loading import device_for, load_model, load_tokenizer
+from grpo.models.prompts import render_prompt
+from grpo.progress import progress_bar
 
 
 def _encode(tokenizer: Any, rows: list[dict], cfg: Config) -> list[tuple[list[int], int]]:
@@ -95,8 +91,6 @@ def train_sft(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Fine-tune base_dir on sets['sft'], early-stopped on sets['sft_val']; save to out_dir."""
-    from tqdm import tqdm
-
     rank, world = init_distributed(cfg.deepspeed.timeout_s)
     device = device_for(cfg)
     torch.manual_seed(cfg.seed)
@@ -109,10 +103,15 @@ def train_sft(
     val = _encode(tok, sets["sft_val"], cfg)[rank::world]
     steps_per_epoch = math.ceil(len(train) / s.batch_size)
     total = steps_per_epoch * s.max_epochs
+    # cosine over the epoch budget; the control (max_seconds) anneals over its wall time instead
+    lr_fn = (
+        time_cosine(s.warmup_steps, max_seconds)
+        if max_seconds
+        else lr_lambda(s.warmup_steps, total, "cosine")
+    )
     engine, _ = build_engine(
         model, cfg, micro_batch=s.batch_size // world, grad_accum=1, lr=s.lr,
-        weight_decay=s.weight_decay, warmup=s.warmup_steps, total_steps=total, schedule="cosine",
-        lr_fn=time_cosine(s.warmup_steps, max_seconds) if max_seconds else None,
+        weight_decay=s.weight_decay, max_grad_norm=s.max_grad_norm, lr_fn=lr_fn,
     )  # fmt: skip
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -121,11 +120,7 @@ def train_sft(
     best, bad, step, t0 = math.inf, 0, 0, time.time()
     history: list[dict[str, float]] = []
     rng = random.Random(cfg.seed)
-    bar = tqdm(
-        total=None if max_seconds else total, desc="sft", unit="step",
-        disable=not progress or rank != 0,
-        mininterval=BAR_INTERVAL,
-    )  # fmt: skip
+    bar = progress_bar(None if max_seconds else total, "sft", "step", enabled=progress and not rank)
     stop = False
     # a time-budgeted run (the control) trains until its time is up, whatever max_epochs says
     epochs = itertools.count() if max_seconds is not None else range(s.max_epochs)

@@ -1,4 +1,4 @@
-"""Training checkpoints: DeepSpeed engine state plus our step, data position and RNG states.
+"""Training checkpoints: DeepSpeed engine state plus our step and RNG states.
 
 Written atomically: DeepSpeed writes under a temporary tag, rank 0 renames it and then replaces
 the `latest` pointer, so a kill during the write leaves the previous checkpoint usable.
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-CLIENT_KEYS = ("step", "data_position", "rng")
+CLIENT_KEYS = ("step", "rng")  # the training order is a function of the step alone
 
 
 def rng_state() -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Entry point of one rank: `python -m grpo.worker {sft,train} --config resolved.yaml ...`.
+"""Entry point of one rank: `python -m grpo.launch.worker {sft,train} --config resolved.yaml ...`.
 
 Started by DeepSpeed's launcher (one process per GPU or CPU rank) or directly for one rank.
 """
@@ -14,7 +14,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="grpo.worker")
+    p = argparse.ArgumentParser(prog="grpo.launch.worker")
     p.add_argument("stage", choices=["sft", "train"])
     p.add_argument("--config", required=True)
     p.add_argument("--base")
@@ -29,16 +29,16 @@ def main(argv: list[str] | None = None) -> None:
     cfg = load_config(a.config)
     rank = int(os.environ.get("RANK", "0"))
     if a.stage == "sft":
-        from grpo.data import training_sets
-        from grpo.sft import train_sft
-        from grpo.stages import reference_dir
+        from grpo.data.sets import training_sets
+        from grpo.engine.sft import train_sft
+        from grpo.launch.paths import reference_dir
 
         out = reference_dir(cfg)
         summary = train_sft(cfg, a.base, out, training_sets(cfg), progress=rank == 0)
         if rank == 0:
             (out / "sft_summary.json").write_text(json.dumps(summary, indent=2))
     else:
-        from grpo.trainer import train_grpo
+        from grpo.engine.loop import train_grpo
 
         summary = train_grpo(cfg, a.policy, a.out, resume=a.resume)
         if rank == 0:

@@ -1,7 +1,8 @@
 """Sampling G completions per prompt in one batched call, with sampling log-probs.
 
-Two engines: grpo.decoding (the default for Qwen2/Llama-family models, several times less
-Python per token) and transformers generate() for every other architecture.
+Two engines: grpo.models.sampler ("fast", the default for Qwen2/Llama-family models, several
+times less Python per token) and transformers generate() ("hf") for every other architecture.
+Under ZeRO-3 the caller gathers the weights around the call (grpo.engine.deepspeed_setup).
 
 Both record log pi(token) under softmax(logits / T) while sampling, so mu > 1 needs no extra
 forward pass to know pi_old. With generate() a logits processor does it; custom processors run
@@ -11,31 +12,42 @@ trainer computes (TRL does the same; top-k/top-p truncation is not part of pi's 
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, fields
 
 import torch
 
-from grpo import decoding
-from grpo.logprobs import token_logprobs
+from grpo.algo.logprobs import token_logprobs
+from grpo.models import sampler
 
 
 @dataclass
 class Rollout:
+    """B = prompts x group_size completions; rows of one prompt are contiguous."""
+
     prompt_ids: torch.Tensor  # [B, P] left-padded
     prompt_mask: torch.Tensor  # [B, P]
     completion_ids: torch.Tensor  # [B, C] pad after EOS
     completion_mask: torch.Tensor  # [B, C] 1 up to and including EOS
     truncated: torch.Tensor  # [B] bool: no EOS within max_completion_length
     sampling_logps: torch.Tensor  # [B, C] log pi_old of each sampled token (0 where masked)
+    group_size: int  # G: completions per prompt
 
     def select(self, idx: torch.Tensor) -> Rollout:
-        return Rollout(*(getattr(self, f)[idx] for f in self.__dataclass_fields__))
+        """The rows idx, which must be whole groups (or a rank's share of whole groups)."""
+        if idx.numel() % self.group_size:
+            raise ValueError(f"idx: {idx.numel()} rows are not whole groups of {self.group_size}")
+        tensors = {
+            f.name: getattr(self, f.name)[idx] for f in fields(self) if f.name != "group_size"
+        }
+        return Rollout(**tensors, group_size=self.group_size)
 
     @property
     def lengths(self) -> torch.Tensor:
-        return self.completion_mask.sum(1)
+        return self.completion_mask.sum(1)  # [B]
+
+    @property
+    def num_groups(self) -> int:
+        return self.completion_ids.shape[0] // self.group_size
 
 
 class _LogpRecorder:
@@ -72,18 +84,6 @@ def completion_mask(ids: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch
     return (pos <= first.unsqueeze(1)).long(), ~has_eos
 
 
-def gather_for_generation(model: torch.nn.Module, zero_stage: int) -> Any:
-    """Under ZeRO-3, gather the full weights once for the whole generate call.
-
-    Fetching each layer's shards per decoding step is much slower (a known TRL trap).
-    """
-    if zero_stage != 3:
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(list(model.parameters()))
-
-
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
@@ -98,30 +98,28 @@ def generate(
     top_p: float = 1.0,
     top_k: int = 0,
     do_sample: bool = True,
-    zero_stage: int = 0,
     engine: str = "auto",
 ) -> Rollout:
     """G completions for each of the B0 left-padded prompts -> a Rollout of B0 * G rows.
 
     Rows of one prompt are contiguous (the layout group_advantages expects).
-    engine: "fast" (grpo.decoding), "hf" (transformers generate) or "auto" (fast when the
-    architecture is supported, see resolve_engine).
+    engine: "fast" (grpo.models.sampler), "hf" (transformers generate) or "auto" (fast when
+    the architecture is supported, see resolve_engine).
     """
     ids = prompt_ids.repeat_interleave(num_generations, 0)  # [B, P]
     mask = prompt_mask.repeat_interleave(num_generations, 0)
     was_training = model.training
     model.eval()
-    sampler = decoding.sample if resolve_engine(model, engine) == "fast" else _hf_generate
-    with gather_for_generation(model, zero_stage):
-        comp, logps = sampler(
-            model, prompt_ids, prompt_mask, max_new_tokens=max_completion_length,
-            eos_token_id=eos_token_id, pad_token_id=pad_token_id, temperature=temperature,
-            top_p=top_p, top_k=top_k, do_sample=do_sample, num_generations=num_generations,
-        )  # fmt: skip
+    sample = sampler.sample if resolve_engine(model, engine) == "fast" else _hf_generate
+    comp, logps = sample(
+        model, prompt_ids, prompt_mask, max_new_tokens=max_completion_length,
+        eos_token_id=eos_token_id, pad_token_id=pad_token_id, temperature=temperature,
+        top_p=top_p, top_k=top_k, do_sample=do_sample, num_generations=num_generations,
+    )  # fmt: skip
     model.train(was_training)
     cmask, truncated = completion_mask(comp, eos_token_id)
     comp = comp.masked_fill(cmask == 0, pad_token_id)
-    return Rollout(ids, mask, comp, cmask, truncated, logps * cmask)
+    return Rollout(ids, mask, comp, cmask, truncated, logps * cmask, num_generations)
 
 
 def resolve_engine(model: torch.nn.Module, engine: str) -> str:
@@ -130,7 +128,7 @@ def resolve_engine(model: torch.nn.Module, engine: str) -> str:
         raise ValueError(f"generation engine: expected auto, fast or hf, got {engine!r}")
     if engine == "hf":
         return "hf"
-    reason = decoding.unsupported_reason(model)
+    reason = sampler.unsupported_reason(model)
     if reason is None:
         return "fast"
     if engine == "fast":
@@ -153,7 +151,7 @@ def _hf_generate(
     do_sample: bool,
     num_generations: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """decoding.sample's contract with transformers generate(): completions [B*G, C] and the
+    """sampler.sample's contract with transformers generate(): completions [B*G, C] and the
     log-prob of each sampled token."""
     from transformers import GenerationConfig, LogitsProcessorList
 

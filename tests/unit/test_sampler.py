@@ -1,12 +1,12 @@
-"""The lean sampler (grpo.decoding) against the transformers model it reads the weights of."""
+"""The lean sampler (grpo.models.sampler) against the transformers model it reads the weights of."""
 
 import pytest
 import torch
 
-from grpo import decoding
-from grpo.logprobs import token_logprobs
-from grpo.modeling import completion_logits
-from grpo.rollout import generate, resolve_engine
+from grpo.algo.logprobs import token_logprobs
+from grpo.models import sampler
+from grpo.models.forward import completion_logits
+from grpo.models.generate import generate, resolve_engine
 
 EOS, PAD = 1, 0
 
@@ -81,9 +81,9 @@ def test_same_seed_same_samples_and_top_k_is_respected():
     ids, mask = _prompts()
     kw = dict(max_new_tokens=16, eos_token_id=EOS, pad_token_id=PAD, top_k=3)
     torch.manual_seed(5)
-    a, la = decoding.sample(model, ids, mask, **kw)
+    a, la = sampler.sample(model, ids, mask, **kw)
     torch.manual_seed(5)
-    b, lb = decoding.sample(model, ids, mask, **kw)
+    b, lb = sampler.sample(model, ids, mask, **kw)
     assert torch.equal(a, b) and torch.equal(la, lb)
     # every sampled token is among the 3 most likely under the model at its position
     logits = completion_logits(model, ids, mask, a, (a != PAD).long())
@@ -95,7 +95,7 @@ def test_same_seed_same_samples_and_top_k_is_respected():
 def test_inverse_cdf_sampling_follows_the_probabilities():
     torch.manual_seed(0)
     probs = torch.tensor([0.5, 0.0, 0.3, 0.2]).expand(40000, 4)
-    counts = torch.bincount(decoding.sample_tokens(probs), minlength=4).float() / 40000
+    counts = torch.bincount(sampler.sample_tokens(probs), minlength=4).float() / 40000
     assert counts[1] == 0  # a zero-probability token is never drawn
     torch.testing.assert_close(counts, torch.tensor([0.5, 0.0, 0.3, 0.2]), atol=0.01, rtol=0)
 
@@ -103,10 +103,10 @@ def test_inverse_cdf_sampling_follows_the_probabilities():
 def test_top_p_keeps_the_smallest_set_reaching_p():
     # probs 0.5, 0.3, 0.15, 0.05: top_p 0.7 keeps the first two (0.5 < 0.7 <= 0.8)
     logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
-    kept = decoding.filter_logits(logits, top_p=0.7)
+    kept = sampler.filter_logits(logits, top_p=0.7)
     assert torch.isfinite(kept).tolist() == [[True, True, False, False]]
     # top_p smaller than the top token's mass still keeps the top token
-    assert torch.isfinite(decoding.filter_logits(logits, top_p=0.1)).sum() == 1
+    assert torch.isfinite(sampler.filter_logits(logits, top_p=0.1)).sum() == 1
 
 
 def test_unsupported_architecture_is_named_and_auto_uses_transformers():

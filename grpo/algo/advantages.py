@@ -1,7 +1,9 @@
-"""Group-relative advantages (GRPO.md section 2).
+"""Group-relative advantages (docs/ALGORITHM.md, "Advantages").
 
 Outcome supervision gives one advantage per completion, [N]; process supervision gives one per
 completion token, [N, T]. N = prompts x group_size with the G completions of a prompt contiguous.
+The outcome estimators are registered by name in ADVANTAGE_ESTIMATORS; that dict (plus
+"process") is the list of `grpo.advantage_mode` values the config accepts.
 
 Departures from textbook GRPO, on purpose:
 - std is the population std (divide by G), as in the paper's worked example; TRL uses G - 1.
@@ -11,11 +13,55 @@ Departures from textbook GRPO, on purpose:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-ADVANTAGE_MODES = ("zscore", "center", "loo")
+# rewards grouped [P, G], eps -> advantages [P, G]
+Estimator = Callable[[torch.Tensor, float], torch.Tensor]
+ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {}
+PROCESS = "process"  # per-token advantages from step rewards: process_advantages
+
+
+def advantage_estimator(name: str) -> Callable[[Estimator], Estimator]:
+    """Register an outcome advantage estimator under `name` (a `grpo.advantage_mode` value)."""
+
+    def register(fn: Estimator) -> Estimator:
+        ADVANTAGE_ESTIMATORS[name] = fn
+        return fn
+
+    return register
+
+
+def advantage_modes() -> tuple[str, ...]:
+    """Every value `grpo.advantage_mode` accepts."""
+    return (*ADVANTAGE_ESTIMATORS, PROCESS)
+
+
+STD_EPS = 1e-4  # added to the std before dividing; a constant of the method, not a setting
+
+
+@advantage_estimator("zscore")
+def _zscore(r: torch.Tensor, eps: float) -> torch.Tensor:
+    """(r - mean) / (std + eps), the GRPO paper's form."""
+    mean = r.mean(dim=1, keepdim=True)  # [P, 1]
+    std = r.std(dim=1, unbiased=False, keepdim=True)  # [P, 1]
+    return (r - mean) / (std + eps)
+
+
+@advantage_estimator("center")
+def _center(r: torch.Tensor, eps: float) -> torch.Tensor:
+    """r - mean (Dr. GRPO): no division by a small std, so no difficulty bias."""
+    return r - r.mean(dim=1, keepdim=True)
+
+
+@advantage_estimator("loo")
+def _leave_one_out(r: torch.Tensor, eps: float) -> torch.Tensor:
+    """r_i - mean of the other G - 1 rewards (RLOO)."""
+    g = r.shape[1]
+    if g < 2:
+        raise ValueError("group_size: leave-one-out needs at least 2 completions per group")
+    return r - (r.sum(dim=1, keepdim=True) - r) / (g - 1)
 
 
 def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -29,33 +75,21 @@ def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def group_advantages(
-    rewards: torch.Tensor, group_size: int, mode: str = "zscore", eps: float = 1e-4
+    rewards: torch.Tensor, group_size: int, mode: str = "zscore", eps: float = STD_EPS
 ) -> torch.Tensor:
-    """Advantage of each completion relative to its own group.
+    """Advantage of each completion relative to its own group: rewards [N] -> advantages [N].
 
-    rewards: [N] -> advantages: [N].
-    zscore: (r - mean) / (std + eps); center (Dr. GRPO): r - mean;
-    loo (RLOO): r_i - mean of the other G - 1 rewards.
+    mode: a name in ADVANTAGE_ESTIMATORS (zscore, center, loo).
 
-    >>> group_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0]), 4, eps=0.0)
-    tensor([ 1., -1.,  1., -1.])
+    >>> group_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0]), 4, "center")
+    tensor([ 0.5000, -0.5000,  0.5000, -0.5000])
     """
-    r = _grouped(rewards, group_size)  # [P, G]
-    mean = r.mean(dim=1, keepdim=True)  # [P, 1]
-    if mode == "zscore":
-        std = r.std(dim=1, unbiased=False, keepdim=True)  # [P, 1]
-        adv = (r - mean) / (std + eps)
-    elif mode == "center":
-        adv = r - mean
-    elif mode == "loo":
-        if group_size < 2:
-            raise ValueError("group_size: leave-one-out needs at least 2 completions per group")
-        others_mean = (r.sum(dim=1, keepdim=True) - r) / (group_size - 1)  # [P, G]
-        adv = r - others_mean
-    else:
+    if mode not in ADVANTAGE_ESTIMATORS:
         raise ValueError(
-            f"mode: unknown advantage mode {mode!r}, expected one of {ADVANTAGE_MODES}"
+            f"mode: unknown advantage mode {mode!r}, expected one of {tuple(ADVANTAGE_ESTIMATORS)}"
         )
+    r = _grouped(rewards, group_size)  # [P, G]
+    adv = ADVANTAGE_ESTIMATORS[mode](r, eps)
     flat = r.max(dim=1, keepdim=True).values == r.min(dim=1, keepdim=True).values  # [P, 1]
     return adv.masked_fill(flat, 0.0).view(-1)
 
@@ -71,7 +105,7 @@ def process_advantages(
     step_ends: Sequence[Sequence[int]],
     group_size: int,
     num_tokens: int,
-    eps: float = 1e-4,
+    eps: float = STD_EPS,
 ) -> torch.Tensor:
     """Per-token advantages from per-step rewards (DeepSeekMath 4.1.3 process supervision).
 

@@ -14,7 +14,7 @@ call) and runs a fixed, minimal op sequence per step:
 
 It records log pi(token) under softmax(logits / T) for every sampled token, the quantity the
 trainer recomputes (tests check both agree with a teacher-forced forward of the HF model).
-Unsupported architectures are named by `unsupported_reason`; `rollout.generate` then uses HF.
+Unsupported architectures are named by `unsupported_reason`; `generate.generate` then uses HF.
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ def sample_tokens(probs: torch.Tensor) -> torch.Tensor:
     return (cdf < u).sum(-1).clamp(max=probs.shape[-1] - 1)
 
 
-def _outside_inference_mode(fn: Callable[..., tuple[torch.Tensor, ...]]) -> Callable:
+def _in_inference_mode(fn: Callable[..., tuple[torch.Tensor, ...]]) -> Callable:
     """Run fn in inference mode, which skips autograd's view and version bookkeeping (~15% of a
     sampling step here), and clone its outputs outside it so that training may save them for
     backward (inference tensors cannot be)."""
@@ -203,7 +203,7 @@ def _outside_inference_mode(fn: Callable[..., tuple[torch.Tensor, ...]]) -> Call
     return wrapper
 
 
-@_outside_inference_mode
+@_in_inference_mode
 def sample(
     model: torch.nn.Module,
     prompt_ids: torch.Tensor,  # [B, P] left-padded
@@ -228,7 +228,7 @@ def sample(
 
     C is the number of steps taken: max_new_tokens, or fewer when every row ended early. Tokens
     after a row's first EOS are arbitrary (the row kept decoding until the next compaction) and
-    their log-probs too: rollout.generate masks both with completion_mask, for either engine.
+    their log-probs too: generate.generate masks both with completion_mask, for either engine.
     """
     dec = Decoder(model)
     b, p = prompt_ids.shape  # b distinct prompts here; b * G rows after the prefill
