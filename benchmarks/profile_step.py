@@ -40,7 +40,7 @@ def main() -> None:
 
     def sample(step: int):  # noqa: ANN202
         return sample_step(t.engine.module, t.tok, cfg, t.train_rows, step=step, rank=0,
-                           world=1, device=t.device)  # fmt: skip
+                           world=1, device=t.device, eos_ids=t.eos_ids)  # fmt: skip
 
     def advantages(ro, rows, texts):  # noqa: ANN202
         rewards = t.scorer(ro, rows, texts)[0]
@@ -55,7 +55,7 @@ def main() -> None:
     print(f"sampling: {tuple(ro.completion_ids.shape)} completions x tokens")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.rows))
     adv = advantages(ro, rows, texts)
-    trained = t.policy_update.trained_rows(adv).numel()
+    trained = t.policy_update.trained_rows(adv, ro.completion_mask).numel()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t.policy_update.update(ro, adv, None)
     print(f"update: {trained} of {adv.shape[0]} completions have a non-zero advantage")

@@ -12,6 +12,9 @@ from typing import Any
 
 from grpo.config import Config
 from grpo.data.sets import eval_set, training_sets
+from grpo.launch.paths import base_model_dir
+from grpo.models.loading import load_tokenizer
+from grpo.models.prompts import render_prompt
 from reward_fns import gold_parses
 
 
@@ -30,10 +33,20 @@ def normalise(text: str) -> str:
     return re.sub(r"\s+", " ", text.strip().lower())
 
 
-def _frame(rows: list[dict[str, Any]], train_prompts: set[str] | None) -> Any:
+def prompt_token_counts(tok: Any, cfg: Config, prompts: list[str]) -> list[int]:
+    """Tokens of each prompt as the model sees it (chat template included), with its tokenizer."""
+    texts = [render_prompt(tok, p, cfg) for p in prompts]
+    return [len(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"]]
+
+
+def _frame(
+    rows: list[dict[str, Any]], train_prompts: set[str] | None, tok: Any, cfg: Config
+) -> Any:
     import pandas as pd
 
     df = pd.DataFrame(rows)
+    if "prompt" in df:
+        df["prompt_tokens"] = prompt_token_counts(tok, cfg, [str(p) for p in df["prompt"]])
     if "answer" in df:
         df["answer_parses"] = [gold_parses(a) for a in df["answer"]]
     if train_prompts is not None and "prompt" in df:
@@ -41,7 +54,7 @@ def _frame(rows: list[dict[str, Any]], train_prompts: set[str] | None) -> Any:
     return df
 
 
-def _suite(name: str, df: Any, kind: str, min_rows: int, max_prompt_chars: int) -> Any:
+def _suite(name: str, df: Any, kind: str, min_rows: int, max_prompt_tokens: int) -> Any:
     import great_expectations as gx
     import great_expectations.expectations as gxe
 
@@ -52,10 +65,12 @@ def _suite(name: str, df: Any, kind: str, min_rows: int, max_prompt_chars: int) 
         suite.add_expectation(gxe.ExpectColumnValuesToNotBeNull(column=col))
     suite.add_expectation(gxe.ExpectColumnValuesToBeUnique(column="id"))  # joins, paired eval
     suite.add_expectation(gxe.ExpectColumnValuesToBeOfType(column="prompt", type_="str"))
-    # prompts beyond the context window would be silently truncated
+    suite.add_expectation(gxe.ExpectColumnValueLengthsToBeBetween(column="prompt", min_value=1))
+    # counted in the model's own tokens, chat template included: a longer prompt would crowd out
+    # the completion or overflow the context
     suite.add_expectation(
-        gxe.ExpectColumnValueLengthsToBeBetween(
-            column="prompt", min_value=1, max_value=max_prompt_chars
+        gxe.ExpectColumnValuesToBeBetween(
+            column="prompt_tokens", min_value=1, max_value=max_prompt_tokens
         )
     )
     # an unparseable gold answer makes every completion score 0: no signal, wrong accuracy
@@ -100,12 +115,12 @@ def validate_datasets(cfg: Config, docs_dir: Path) -> dict[str, Any]:
     source = ctx.data_sources.add_pandas("grpo")
     results: dict[str, Any] = {}
     failures: list[str] = []
-    max_chars = 4 * cfg.model.tiny.max_position_embeddings if not cfg.model.path else 100_000
+    tok = load_tokenizer(base_model_dir(cfg))
     for name, (rows, kind) in datasets.items():
-        df = _frame(rows, train_prompts if kind == "heldout" else None)
+        df = _frame(rows, train_prompts if kind == "heldout" else None, tok, cfg)
         asset = source.add_dataframe_asset(name)
         batch_def = asset.add_batch_definition_whole_dataframe(f"{name}_all")
-        suite = ctx.suites.add(_suite(f"{name}_suite", df, kind, 1, max_chars))
+        suite = ctx.suites.add(_suite(f"{name}_suite", df, kind, 1, cfg.grpo.max_prompt_length))
         vd = ctx.validation_definitions.add(
             gx.ValidationDefinition(name=f"{name}_validation", data=batch_def, suite=suite)
         )

@@ -43,6 +43,17 @@ class GRPOConfig(Strict):
         description="beta 0 + dapo: no forward/backward for completions with zero advantage "
         "(their gradient is exactly zero); False trains on them as TRL does",
     )
+    mask_truncated_completions: bool = Field(
+        False,
+        description="completions without EOS within max_completion_length add no loss and no "
+        "tokens to the normaliser (DAPO overlong filtering)",
+    )
+    max_prompt_length: int = Field(
+        512,
+        gt=0,
+        description="prompt tokens (chat template included); longer prompts are "
+        "refused by data validation",
+    )
     dynamic_sampling: bool = Field(False, description="drop zero-std groups and sample again")
     max_sampling_rounds: int = Field(3, ge=1)
     reward_funcs: list[str] = Field(

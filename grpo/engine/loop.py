@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from grpo.algo.advantages import zero_std_groups
 from grpo.config import Config
 from grpo.data.sets import eval_set, training_sets
 from grpo.engine.deepspeed_setup import build_engine, gathered, save_policy
@@ -26,13 +25,13 @@ from grpo.engine.distributed import all_reduce_sum, init_distributed
 from grpo.engine.reference import Reference
 from grpo.engine.rollout_metrics import rollout_metrics
 from grpo.engine.run_files import RunFiles
-from grpo.engine.sampling import sample_step, select_groups
+from grpo.engine.sampling import keep_groups, sample_step
 from grpo.engine.schedules import lr_lambda
 from grpo.engine.scoring import RewardScorer, token_advantages
 from grpo.engine.update import PolicyUpdate
 from grpo.eval.run import generate_for_rows
 from grpo.models.generate import resolve_engine
-from grpo.models.loading import device_for, load_model, load_tokenizer
+from grpo.models.loading import device_for, eos_token_ids, load_model, load_tokenizer
 from grpo.progress import progress_bar
 
 
@@ -52,6 +51,7 @@ class Trainer:
         micro = min(g.micro_batch_size, local_batch)
         n_micro = math.ceil(local_batch / micro)
         model = load_model(policy_dir, cfg.model.dtype).to(self.device)
+        self.eos_ids = eos_token_ids(self.tok, model)
         self.engine, ds_config = build_engine(
             model, cfg, micro_batch=micro, grad_accum=n_micro, lr=g.lr,
             weight_decay=g.weight_decay, max_grad_norm=g.max_grad_norm,
@@ -104,22 +104,19 @@ class Trainer:
 
     def step(self, step: int) -> dict[str, float]:
         """One GRPO step on this rank; returns its metrics (reduced over ranks)."""
-        g, G = self.cfg.grpo, self.cfg.grpo.num_generations
+        g = self.cfg.grpo
         t0 = time.time()
         # 1. sample: G completions for each of this rank's prompts
         ro, group_rows, texts = sample_step(
             self.engine.module, self.tok, self.cfg, self.train_rows, step=step, rank=self.rank,
-            world=self.world, device=self.device,
+            world=self.world, device=self.device, eos_ids=self.eos_ids,
         )  # fmt: skip
         t1 = time.time()
         # 2. score every completion; dynamic sampling keeps informative groups first
         rewards, per_fn = self.scorer(ro, group_rows, texts)
-        keep = torch.arange(ro.completion_ids.shape[0])
-        if ro.num_groups > self.local_prompts:
-            keep = select_groups(zero_std_groups(rewards, G), G, self.local_prompts)
-        ro, rewards = ro.select(keep), rewards[keep]
-        per_fn = {k: [v[i] for i in keep.tolist()] for k, v in per_fn.items()}
-        texts, rows = [texts[i] for i in keep.tolist()], [group_rows[i // G] for i in keep.tolist()]
+        ro, rewards, per_fn, texts, rows = keep_groups(
+            ro, rewards, per_fn, texts, group_rows, self.local_prompts
+        )
         # 3. advantages, one per completion token [N, C]
         adv = token_advantages(g, ro, rewards, rows, texts, self.tok)
         t2 = time.time()
@@ -138,7 +135,7 @@ class Trainer:
             "completions_per_second": len(texts) * self.world / max(t4 - t0, 1e-9),
         })  # fmt: skip
         if step % g.log_completions_every == 0:
-            self.files.log_completions(step + 1, rows, texts, rewards, G)
+            self.files.log_completions(step + 1, rows, texts, rewards, ro.group_size)
         return m
 
     def heldout_accuracy(self) -> float:

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from grpo.algo.advantages import zero_std_groups
 from grpo.config import Config
 from grpo.data.order import derived_seed, prompt_indices
 from grpo.engine.deepspeed_setup import gathered
@@ -31,6 +32,7 @@ def sample_step(
     rank: int,
     world: int,
     device: torch.device,
+    eos_ids: list[int],
 ) -> tuple[Rollout, list[dict], list[str]]:
     """(rollout, the prompt row of each group, the completion texts) of one rank at one step."""
     g = cfg.grpo
@@ -47,7 +49,7 @@ def sample_step(
             ro = generate(
                 policy, ids, mask,
                 num_generations=g.num_generations, max_completion_length=g.max_completion_length,
-                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                eos_token_id=eos_ids, pad_token_id=tok.pad_token_id,
                 temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                 engine=cfg.model.generation_engine,
             )  # fmt: skip
@@ -80,6 +82,30 @@ def cat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
         torch.cat([p.truncated for p in parts]),
         pad([p.sampling_logps for p in parts], False, 0.0),
         parts[0].group_size,
+    )
+
+
+def keep_groups(
+    ro: Rollout,
+    rewards: torch.Tensor,
+    per_fn: dict[str, list],
+    texts: list[str],
+    group_rows: list[dict],
+    num_prompts: int,
+) -> tuple[Rollout, torch.Tensor, dict[str, list], list[str], list[dict]]:
+    """The step's batch of `num_prompts` groups (all of them without dynamic sampling), with
+    each completion's prompt row: (rollout, rewards, per-function scores, texts, rows)."""
+    G = ro.group_size
+    keep = torch.arange(ro.completion_ids.shape[0])
+    if ro.num_groups > num_prompts:
+        keep = select_groups(zero_std_groups(rewards, G), G, num_prompts)
+    idx = keep.tolist()
+    return (
+        ro.select(keep),
+        rewards[keep],
+        {k: [v[i] for i in idx] for k, v in per_fn.items()},
+        [texts[i] for i in idx],
+        [group_rows[i // G] for i in idx],
     )
 
 

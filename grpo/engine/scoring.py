@@ -14,6 +14,7 @@ import torch
 from grpo.algo.advantages import PROCESS, group_advantages, process_advantages
 from grpo.config import GRPOConfig
 from grpo.models.generate import Rollout
+from grpo.models.offsets import char_to_token, token_char_ends
 from reward_fns import PROCESS_REWARDS, REWARD_FUNCS, resolve, score, with_time_limit
 
 # the worked solution is SFT's data, never shown to GRPO's reward functions
@@ -71,16 +72,9 @@ def token_advantages(
 
 
 def step_token_ends(tok: Any, ids: torch.Tensor, length: int, char_ends: list[int]) -> list[int]:
-    """The token index holding each step's last character, from decoding token by token.
+    """The token index at which each step's last character is complete.
 
-    ids: [C] one completion; length: its real tokens. A step ending beyond the decoded text
-    maps to the last real token.
+    ids: [C] one completion; length: its real tokens (EOS included).
     """
-    pieces = tok.batch_decode(ids[:length, None], skip_special_tokens=True)
-    cum, total = [], 0  # decoded length after each token
-    for piece in pieces:
-        total += len(piece)
-        cum.append(total)
-    last = ids.shape[0] - 1
-    ends = [min(next((t for t, c in enumerate(cum) if c > e), length - 1), last) for e in char_ends]
-    return [max(e, 0) for e in ends]
+    ends = token_char_ends(tok, ids[:length].tolist())
+    return [max(char_to_token(ends, e), 0) for e in char_ends]

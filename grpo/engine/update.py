@@ -28,6 +28,15 @@ POLICY_METRICS = (
 )  # fmt: skip
 
 
+def loss_mask(ro: Rollout, mask_truncated: bool) -> torch.Tensor:
+    """The tokens the loss counts [N, C]: the completion mask, and with mask_truncated (DAPO's
+    overlong filtering, TRL's mask_truncated_completions) none of a completion that hit
+    max_completion_length without EOS: its end is unknown, so its reward says little."""
+    if not mask_truncated:
+        return ro.completion_mask
+    return ro.completion_mask * (~ro.truncated).unsqueeze(1).to(ro.completion_mask.dtype)
+
+
 class PolicyUpdate:
     """The update of one step: `update(rollout, advantages [N, C], ref_logps) -> metrics`."""
 
@@ -51,7 +60,7 @@ class PolicyUpdate:
     ) -> dict[str, float]:
         """Entropy and clip metrics are over the completions trained on (see trained_rows)."""
         g = self.g
-        mask = ro.completion_mask
+        mask = loss_mask(ro, g.mask_truncated_completions)  # [N, C]
         if adv.shape != mask.shape:
             raise ValueError(f"adv: expected [N, C] {tuple(mask.shape)}, got {tuple(adv.shape)}")
         # dapo: normalise by the active tokens of the whole global batch (all ranks, all micro)
@@ -64,7 +73,7 @@ class PolicyUpdate:
                 f"rollout: {mask.shape[0]} local rows exceed {self.n_micro} micro-batches of "
                 f"{self.micro}"
             )
-        rows = self.trained_rows(adv)
+        rows = self.trained_rows(adv, mask)
         sums: dict[str, float] = {"_w": 0.0, "loss": 0.0}
         nonfinite = 0
         grad_norms: list[float] = []
@@ -72,12 +81,12 @@ class PolicyUpdate:
             for j in range(self.n_micro):
                 idx = rows[j * self.micro : (j + 1) * self.micro]
                 if idx.numel():
-                    loss, m = self._micro_loss(ro, adv, ref_logps, idx, num_items)
+                    loss, m = self._micro_loss(ro, mask, adv, ref_logps, idx, num_items)
                 else:
-                    loss, m = self._zero_gradient_loss(ro, adv, ref_logps, num_items), {}
+                    loss, m = self._zero_gradient_loss(ro, mask, adv, ref_logps, num_items), {}
                 if not torch.isfinite(loss):
                     nonfinite += 1
-                    loss = self._zero_gradient_loss(ro, adv, ref_logps, num_items)
+                    loss = self._zero_gradient_loss(ro, mask, adv, ref_logps, num_items)
                 self.engine.backward(loss * scale)
                 if j == self.n_micro - 1 and self.zero_stage == 0:
                     grad_norms.append(self._local_grad_norm())
@@ -105,8 +114,8 @@ class PolicyUpdate:
         out["learning_rate"] = float(self.engine.get_lr()[0])
         return out
 
-    def trained_rows(self, adv: torch.Tensor) -> torch.Tensor:
-        """Local rows to run forward/backward on, from advantages [N, C].
+    def trained_rows(self, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Local rows to run forward/backward on, from advantages and the loss mask [N, C].
 
         With no KL term and the dapo loss, a completion whose advantage is zero at every token
         adds exactly zero to the loss and its gradient (-min(rho*0, clip(rho)*0) = 0), and dapo's
@@ -119,18 +128,23 @@ class PolicyUpdate:
         n = adv.shape[0]
         if not (g.skip_zero_advantage and not g.uses_reference and g.loss_type == "dapo"):
             return torch.arange(n)
-        per_row = adv.abs().sum(1)  # [N]
+        per_row = (adv.abs() * mask).sum(1)  # [N]; a masked-out (truncated) row adds nothing
         # != rather than >: a NaN advantage is kept, so its loss is seen as non-finite
         return (per_row != 0).nonzero().squeeze(1).cpu()
 
     def _zero_gradient_loss(
-        self, ro: Rollout, adv: torch.Tensor, ref_logps: torch.Tensor | None, num_items: float
+        self,
+        ro: Rollout,
+        mask: torch.Tensor,
+        adv: torch.Tensor,
+        ref_logps: torch.Tensor | None,
+        num_items: float,
     ) -> torch.Tensor:
         """A loss with an exactly zero gradient that still runs the model: one row, advantage 0,
         weight 0. Every rank then makes the same backward calls with gradient hooks firing in
         the same order (ZeRO-2 packs gradients into its reduce buckets in hook order)."""
         one_row = torch.tensor([0])
-        loss, _ = self._micro_loss(ro, torch.zeros_like(adv), ref_logps, one_row, num_items)
+        loss, _ = self._micro_loss(ro, mask, torch.zeros_like(adv), ref_logps, one_row, num_items)
         if torch.isfinite(loss):
             return loss * 0.0
         # the model's own output is not finite: a zero gradient without a forward pass
@@ -139,21 +153,26 @@ class PolicyUpdate:
     def _micro_loss(
         self,
         ro: Rollout,
+        loss_mask: torch.Tensor,
         adv: torch.Tensor,
         ref_logps: torch.Tensor | None,
         idx: torch.Tensor,
         num_items: float,
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Loss and metrics of the rows idx, with columns that are padding in all of them cut."""
+        """Loss and metrics of the rows idx, with columns that are padding in all of them cut.
+
+        The completion mask is the attention mask; loss_mask (the completion mask, without
+        truncated completions when those are masked) selects the tokens of the loss."""
         g = self.g
-        mask = ro.completion_mask[idx]
+        attn = ro.completion_mask[idx]
         pmask = ro.prompt_mask[idx]
         # causal attention: trailing completion padding never affects earlier positions, and
         # positions count real tokens, so leading prompt padding can go too
-        c = int(mask.sum(1).max())
+        c = int(attn.sum(1).max())
         p0 = int((pmask.sum(0) > 0).long().argmax())
-        mask, pmask, cids = mask[:, :c], pmask[:, p0:], ro.completion_ids[idx, :c]
-        logits = completion_logits(self.engine, ro.prompt_ids[idx, p0:], pmask, cids, mask)
+        attn, pmask, cids = attn[:, :c], pmask[:, p0:], ro.completion_ids[idx, :c]
+        mask = loss_mask[idx, :c]
+        logits = completion_logits(self.engine, ro.prompt_ids[idx, p0:], pmask, cids, attn)
         logps = token_logprobs(logits, cids, g.temperature)  # [mb, c]
         # mu = 1: pi_old is the current policy exactly (rho = 1, the gradient is the PG)
         old = ro.sampling_logps[idx, :c] if g.mu > 1 else logps.detach()

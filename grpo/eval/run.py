@@ -15,6 +15,7 @@ from grpo.config import Config
 from grpo.data.sets import eval_set
 from grpo.eval.metrics import markdown_table, summarize
 from grpo.models.generate import generate
+from grpo.models.loading import eos_token_ids
 from grpo.models.prompts import encode_prompts
 from grpo.progress import progress_bar
 from reward_fns import accuracy, extract_answer
@@ -37,6 +38,7 @@ def generate_for_rows(
 ) -> list[dict[str, Any]]:
     """One record per (row, sample): id, sample, prompt, completion, extracted, gold, correct."""
     max_new = max_new_tokens or cfg.grpo.max_completion_length
+    eos_ids = eos_token_ids(tokenizer, model)
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]["prompt"]))
     per_batch = max(1, batch_size // samples)
     records: list[dict[str, Any]] = []
@@ -49,7 +51,7 @@ def generate_for_rows(
         ro = generate(
             model, ids, mask,
             num_generations=samples, max_completion_length=max_new,
-            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id,
             temperature=temperature, do_sample=samples > 1, engine=cfg.model.generation_engine,
         )  # fmt: skip
         texts = tokenizer.batch_decode(ro.completion_ids, skip_special_tokens=True)

@@ -70,14 +70,18 @@ class _LogpRecorder:
         self.logps.append(lp.squeeze(1))
 
 
-def completion_mask(ids: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mask of tokens up to and including the first EOS, and whether no EOS was produced.
+def completion_mask(
+    ids: torch.Tensor, eos_ids: int | list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask of tokens up to and including the first EOS (any of eos_ids), and whether no EOS
+    was produced.
 
-    >>> completion_mask(torch.tensor([[5, 2, 0], [5, 6, 7]]), eos_id=2)
+    >>> completion_mask(torch.tensor([[5, 2, 0], [5, 6, 7], [3, 9, 2]]), eos_ids=[2, 3])
     (tensor([[1, 1, 0],
-            [1, 1, 1]]), tensor([False,  True]))
+            [1, 1, 1],
+            [1, 0, 0]]), tensor([False,  True, False]))
     """
-    is_eos = ids == eos_id  # [B, C]
+    is_eos = torch.isin(ids, torch.tensor(eos_ids, device=ids.device).view(-1))  # [B, C]
     has_eos = is_eos.any(1)
     first = torch.where(has_eos, is_eos.int().argmax(1), ids.shape[1])  # [B]
     pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)  # [1, C]
@@ -92,7 +96,7 @@ def generate(
     *,
     num_generations: int,
     max_completion_length: int,
-    eos_token_id: int,
+    eos_token_id: int | list[int],
     pad_token_id: int,
     temperature: float = 1.0,
     top_p: float = 1.0,
@@ -102,7 +106,8 @@ def generate(
 ) -> Rollout:
     """G completions for each of the B0 left-padded prompts -> a Rollout of B0 * G rows.
 
-    Rows of one prompt are contiguous (the layout group_advantages expects).
+    Rows of one prompt are contiguous (the layout group_advantages expects). eos_token_id: every
+    id that ends a completion (models.loading.eos_token_ids); the first EOS ends the mask.
     engine: "fast" (grpo.models.sampler), "hf" (transformers generate) or "auto" (fast when
     the architecture is supported, see resolve_engine).
     """
@@ -143,7 +148,7 @@ def _hf_generate(
     prompt_mask: torch.Tensor,
     *,
     max_new_tokens: int,
-    eos_token_id: int,
+    eos_token_id: int | list[int],
     pad_token_id: int,
     temperature: float,
     top_p: float,

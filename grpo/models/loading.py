@@ -54,6 +54,19 @@ def load_model(path: str | Path, dtype: str = "float32", trainable: bool = True)
     return model
 
 
+def eos_token_ids(tokenizer: Any, model: Any) -> list[int]:
+    """Every id that ends a completion: the tokenizer's EOS first (SFT appends it), then those of
+    the model's generation config (Qwen2.5-Instruct lists <|im_end|> and <|endoftext|>, Llama-3
+    several)."""
+    ids = [tokenizer.eos_token_id]
+    gen = getattr(model, "generation_config", None)
+    extra = getattr(gen, "eos_token_id", None)
+    for i in extra if isinstance(extra, (list, tuple)) else [extra]:
+        if i is not None and i not in ids:
+            ids.append(int(i))
+    return ids
+
+
 def save_model_dir(model: torch.nn.Module, tokenizer: Any, out: str | Path) -> Path:
     """A Hugging Face model directory (safetensors + tokenizer) written atomically."""
     import os

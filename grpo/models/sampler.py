@@ -210,7 +210,7 @@ def sample(
     prompt_mask: torch.Tensor,
     *,
     max_new_tokens: int,
-    eos_token_id: int,
+    eos_token_id: int | list[int],
     pad_token_id: int,
     temperature: float = 1.0,
     top_p: float = 1.0,
@@ -226,7 +226,9 @@ def sample(
     Rows of the batch draw from one shared random stream: results are reproducible for a given
     seed and batch, not row by row across different batches.
 
-    C is the number of steps taken: max_new_tokens, or fewer when every row ended early. Tokens
+    eos_token_id: one id or several (Qwen2.5-Instruct ends a turn with <|im_end|> or
+    <|endoftext|>). C is the number of steps taken: max_new_tokens, or fewer when every row
+    ended early. Tokens
     after a row's first EOS are arbitrary (the row kept decoding until the next compaction) and
     their log-probs too: generate.generate masks both with completion_mask, for either engine.
     """
@@ -234,6 +236,7 @@ def sample(
     b, p = prompt_ids.shape  # b distinct prompts here; b * G rows after the prefill
     total = p + max_new_tokens
     dev = prompt_ids.device
+    eos_ids = torch.tensor(eos_token_id, device=dev).view(-1)  # any of them ends a row
     cos_t, sin_t = dec.rope_tables(total)
     cache = [
         (
@@ -279,7 +282,7 @@ def sample(
         # their EOS is masked by the caller
         out[rows, step] = tok
         logps[rows, step] = logp_all.gather(1, tok[:, None]).squeeze(1)
-        done = done | (tok == eos_token_id)
+        done = done | torch.isin(tok, eos_ids)
         n_done = int(done.sum())
         if n_done == rows.shape[0] or step + 1 == max_new_tokens:
             break

@@ -1,8 +1,9 @@
 """The embedded default model: a character tokenizer and a small Qwen2, built locally.
 
-No hub access is needed: the tokenizer is a `tokenizers` WordLevel model over printable ASCII
-plus the template tags as single tokens, saved with save_pretrained so that every later stage
-loads it exactly like a real model directory (AutoTokenizer / AutoModelForCausalLM).
+No hub access is needed. The tokenizer is Qwen2's own class (byte-level BPE) with one token per
+printable ASCII character and no merges, plus the template tags as single tokens. Being the
+class that AutoTokenizer picks for a qwen2 model directory, it reloads exactly as it was built:
+decode(encode(text)) == text, spaces included (tests check it after a save and reload).
 """
 
 from __future__ import annotations
@@ -16,18 +17,19 @@ TAGS = ["<think>", "</think>", "<answer>", "</answer>"]
 SPECIALS = ["<pad>", "<eos>", "<unk>"]
 
 
-def build_tokenizer():  # noqa: ANN201 - returns a transformers PreTrainedTokenizerFast
+def build_tokenizer():  # noqa: ANN201 - returns a transformers Qwen2Tokenizer
     """Character-level tokenizer; template tags are single (non-special) tokens."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import pre_tokenizers
+    from transformers import Qwen2Tokenizer
 
+    # byte-level BPE spells each byte as a printable character (space as "\u0120"): the vocab
+    # holds those spellings, so the byte-level pre-tokenizer maps every character to one token
+    to_byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     chars = [c for c in string.printable if c not in "\x0b\x0c\r"]
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + chars)}
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    core.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    spelled = [to_byte_level.pre_tokenize_str(c)[0][0] for c in chars]
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + spelled)}
+    tok = Qwen2Tokenizer(
+        vocab=vocab, merges=[], unk_token="<unk>", eos_token="<eos>", pad_token="<pad>"
     )
     tok.add_tokens(TAGS)
     tok.padding_side = "left"

@@ -116,12 +116,13 @@ def test_skipping_zero_advantage_rows_gives_the_same_update(tmp_path):
         t = Trainer(cfg, base_model_dir(cfg), tmp_path / str(skip) / "grpo")
         ro = fixed_rollout(t.tok, texts)
         up = t.policy_update
-        assert up.trained_rows(per_token(adv, ro)).tolist() == (
+        assert up.trained_rows(per_token(adv, ro), ro.completion_mask).tolist() == (
             [0, 2, 5] if skip else list(range(6))
         )
         # a NaN advantage is trained on, so that its non-finite loss is seen and handled
         nan_adv = torch.tensor([[float("nan")], [0.0], [1.0]])
-        assert up.trained_rows(nan_adv).tolist() == ([0, 2] if skip else [0, 1, 2])
+        ones = torch.ones(3, 1)
+        assert up.trained_rows(nan_adv, ones).tolist() == ([0, 2] if skip else [0, 1, 2])
         up.update(ro, per_token(adv, ro), None)
         weights[skip] = [p.detach().clone() for p in t.engine.module.parameters()]
     for a, b in zip(weights[True], weights[False], strict=True):

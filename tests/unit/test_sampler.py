@@ -120,3 +120,32 @@ def test_unsupported_architecture_is_named_and_auto_uses_transformers():
         resolve_engine(gpt2, "fast")
     with pytest.raises(ValueError, match="expected auto, fast or hf"):
         resolve_engine(gpt2, "vllm")
+
+
+@pytest.mark.parametrize("engine", ["fast", "hf"])
+def test_every_eos_id_ends_a_completion(engine):
+    """A model with two EOS ids (Qwen2.5-Instruct: <|im_end|> and <|endoftext|>): a completion
+    that emits the second one stops there, and its mask ends there."""
+    from grpo.models.loading import eos_token_ids
+
+    model = _model("qwen2", vocab=64)
+    ids, mask = _prompts()
+    ids, mask = ids[:1], mask[:1]  # one row: the same seed draws the same tokens up to a stop
+    kw = dict(num_generations=1, max_completion_length=16, pad_token_id=PAD)
+    torch.manual_seed(3)
+    free = generate(model, ids, mask, eos_token_id=EOS, engine=engine, **kw)
+    row = free.completion_ids[0].tolist()
+    # a token the row first emits at position k >= 2
+    k = next(i for i in range(2, len(row)) if row[i] not in row[:i] and row[i] != EOS)
+    second = row[k]
+    model.generation_config.eos_token_id = [EOS, second]
+    tok = type("Tok", (), {"eos_token_id": EOS})()
+    eos = eos_token_ids(tok, model)
+    assert eos == [EOS, second]
+    torch.manual_seed(3)
+    ro = generate(model, ids, mask, eos_token_id=eos, engine=engine, **kw)
+    assert ro.completion_ids[0, : k + 1].tolist() == row[: k + 1]
+    assert ro.lengths[0].item() == k + 1 and not ro.truncated[0]
+    assert (ro.completion_ids[0, k + 1 :] == PAD).all()
+    # with only the tokenizer's EOS the same row runs on past it
+    assert free.lengths[0].item() > k + 1 or free.truncated[0]

@@ -1,0 +1,185 @@
+"""A real model's path, on a Qwen2.5-shaped stand-in built locally (tests/realistic_model.py):
+BPE tokenizer and chat template, several EOS ids, offsets, logits kept, the whole pipeline."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import ROOT, small_config
+from tests.realistic_model import build_realistic_model, digit_merging_tokenizer
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def real_dir(tmp_path_factory) -> Path:
+    return build_realistic_model(tmp_path_factory.mktemp("realistic") / "model")
+
+
+def _texts(n: int = 400) -> list[str]:
+    gsm = [json.loads(x) for x in (ROOT / "data/gsm8k/train.jsonl").open()][:n]
+    gsm += [json.loads(x) for x in (ROOT / "data/gsm8k/test.jsonl").open()][:n]
+    math = [json.loads(x) for x in (ROOT / "data/math500/test.jsonl").open()][:n]
+    return [r["question"] for r in gsm] + [r["answer"] for r in gsm] + [r["problem"] for r in math]
+
+
+def test_tokenizers_round_trip_after_save_and_reload(real_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from grpo.data.synthetic import make_sets
+    from grpo.launch.paths import base_model_dir
+    from grpo.models.prompts import render_prompt
+
+    real = AutoTokenizer.from_pretrained(real_dir)
+    assert type(real).__name__ == "Qwen2Tokenizer"
+    cfg = small_config(tmp_path, "model.chat_template=true")
+    texts = _texts() + [render_prompt(real, "What is 2+2?", cfg)]
+    bad = [t for t in texts if real.decode(real(t, add_special_tokens=False)["input_ids"]) != t]
+    assert not bad, bad[:3]
+    assert "<|im_start|>system\n" in texts[-1] and texts[-1].endswith("<|im_start|>assistant\n")
+
+    # the embedded tiny tokenizer, reloaded from a model directory as every stage loads it
+    tiny = AutoTokenizer.from_pretrained(base_model_dir(cfg))
+    sets = make_sets(cfg.data)
+    texts = [x for rows in sets.values() for r in rows for x in (r["prompt"], r.get("solution"))]
+    texts = [t for t in texts if t]
+    bad = [t for t in texts if tiny.decode(tiny(t, add_special_tokens=False)["input_ids"]) != t]
+    assert not bad, bad[:3]
+    assert " " in tiny.decode(tiny("<think>5+8=13 7+0+1=8</think>")["input_ids"])
+
+
+def test_step_ends_map_to_tokens_with_bpe(real_dir):
+    from transformers import AutoTokenizer
+
+    from grpo.models.offsets import char_to_token, token_char_ends
+
+    def check(tok, ids, text):
+        ends = token_char_ends(tok, ids)
+        for c in range(len(text)):
+            t = char_to_token(ends, c)
+            # the token at which character c is complete, and not before
+            assert tok.decode(ids[: t + 1]).startswith(text[: c + 1]), (c, t)
+            assert t == 0 or not tok.decode(ids[:t]).startswith(text[: c + 1]), (c, t)
+
+    real = AutoTokenizer.from_pretrained(real_dir)
+    text = "<think>Café costs €13 each; 5+8=13</think>"  # é and € span 2 and 3 byte tokens
+    ids = real(text, add_special_tokens=False)["input_ids"]
+    assert any(len(real.decode([i])) == 0 or "\ufffd" in real.decode([i]) for i in ids)
+    check(real, ids, text)
+    # digits merged into one token ("13" is one GPT-2-style BPE token)
+    merged = digit_merging_tokenizer()
+    text = "It costs 13 dollars, 100 in all"
+    ids = merged(text)["input_ids"]
+    assert "Ġ13" in merged.convert_ids_to_tokens(ids)
+    check(merged, ids, text)
+    # a non-canonical spelling ("1" "3" where BPE would merge "13") maps correctly too
+    spelled = merged("It costs 1")["input_ids"] + merged("3 dollars")["input_ids"]
+    assert merged.decode(spelled) == "It costs 13 dollars"
+    check(merged, spelled, "It costs 13 dollars")
+    # EOS at the end belongs to no character: the last step still ends on a real token
+    eos = real.convert_tokens_to_ids("<|im_end|>")
+    ends = token_char_ends(real, [*real("12")["input_ids"], eos])
+    assert ends[-1] == ends[-2] == 2
+
+
+def test_training_forward_keeps_only_the_completion_logits(real_dir):
+    from grpo.algo.logprobs import token_logprobs
+    from grpo.models.forward import completion_logits
+    from grpo.models.loading import load_model
+
+    model = load_model(real_dir, trainable=False)
+    shapes = []
+    model.register_forward_hook(lambda m, a, out: shapes.append(tuple(out.logits.shape)))
+    torch.manual_seed(0)
+    prompt = torch.randint(10, 500, (3, 30))
+    pmask = torch.ones_like(prompt)
+    pmask[1, :7] = 0  # left padding
+    comp = torch.randint(10, 500, (3, 6))
+    cmask = torch.ones_like(comp)
+    cmask[2, 4:] = 0
+    with torch.no_grad():
+        kept = completion_logits(model, prompt, pmask, comp, cmask)
+        ids = torch.cat([prompt, comp], 1)
+        mask = torch.cat([pmask, cmask], 1)
+        full = model(
+            input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)
+        ).logits[:, 29:35]
+    assert shapes[0] == (3, 7, model.config.vocab_size)  # C + 1 positions, not P + C
+    torch.testing.assert_close(
+        token_logprobs(kept, comp), token_logprobs(full, comp), atol=1e-5, rtol=1e-5
+    )
+
+
+def test_truncated_completions_can_be_masked_out_of_the_loss(tmp_path):
+    from grpo.engine.loop import Trainer
+    from grpo.launch.paths import base_model_dir
+    from tests.helpers import fixed_rollout, per_token
+
+    changed = {}
+    for masked in (True, False):
+        cfg = small_config(
+            tmp_path / str(masked), "grpo.lr=0.01", "grpo.warmup_steps=0",
+            f"grpo.mask_truncated_completions={masked}",
+        )  # fmt: skip
+        t = Trainer(cfg, base_model_dir(cfg), tmp_path / str(masked) / "grpo")
+        ro = fixed_rollout(t.tok, ["<answer>46</answer>", "<answer>4</answer>"])
+        ro.truncated[0] = True  # only the completion with a non-zero advantage
+        before = [p.detach().clone() for p in t.engine.module.parameters()]
+        t.policy_update.update(ro, per_token(torch.tensor([1.0, 0.0]), ro), None)
+        after = t.engine.module.parameters()
+        changed[masked] = any(not torch.equal(a, b) for a, b in zip(before, after))
+    assert changed == {True: False, False: True}
+
+
+def test_the_pipeline_runs_on_a_real_architecture(real_dir, tmp_path):
+    """sft.enabled false, GSM8K prompts in the chat template, accuracy + format rewards, a few
+    GRPO steps, evaluation on GSM8K and MATH-500 subsets; registered like the toy."""
+    from mlflow import MlflowClient
+    from prefect.testing.utilities import prefect_test_harness
+
+    from flows.pipeline import PipelineParams, grpo_pipeline
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    overrides = [
+        f"model.path={real_dir}", "model.chat_template=true", "sft.enabled=false",
+        "data.task=files", f"data.train_path={ROOT / 'data/gsm8k/train.jsonl'}",
+        "data.gsm8k_solutions=true", "grpo.steps=2", "grpo.prompts_per_step=2",
+        "grpo.num_generations=4", "grpo.max_completion_length=12", "grpo.eval_every=0",
+        "grpo.checkpoint_every=2", "grpo.max_prompt_length=1500", "eval.sets=[gsm8k, math500]",
+        "eval.limit=6", "eval.max_new_tokens=12", f"output_dir={tmp_path / 'runs'}",
+        "tracking.registered_model=realistic-e2e", "tracking.promotion_metric=eval/gsm8k/accuracy",
+    ]  # fmt: skip
+    old = os.environ.get("MLFLOW_TRACKING_URI")
+    os.environ["MLFLOW_TRACKING_URI"] = uri
+    try:
+        with prefect_test_harness(server_startup_timeout=120):
+            result = grpo_pipeline(
+                PipelineParams(config=str(ROOT / "configs/tiny.yaml"), overrides=overrides)
+            )
+    finally:
+        os.environ.pop("MLFLOW_TRACKING_URI") if old is None else os.environ.update(
+            MLFLOW_TRACKING_URI=old
+        )
+    c = MlflowClient(uri, uri)
+    parent = c.get_run(result["parent_run_id"])
+    assert parent.info.status == "FINISHED"
+    runs = c.search_runs(
+        [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
+    )
+    by_name = {r.info.run_name: r for r in runs}
+    assert {"validate", "sft", "grpo", "evaluate"} <= set(by_name)
+    assert "sft-control" not in by_name  # no SFT: no SFT control either
+    grpo_run = by_name["grpo"].info.run_id
+    assert [m.step for m in c.get_metric_history(grpo_run, "reward")] == [1, 2]
+    for s in ("gsm8k", "math500"):
+        assert f"grpo/eval/{s}/accuracy" in parent.data.metrics
+    mv = c.get_model_version_by_alias("realistic-e2e", "challenger")
+    assert mv.run_id == grpo_run
+    # the completions ended at one of the two EOS ids or at the length limit, never beyond
+    samples = [
+        json.loads(x) for x in (tmp_path / "runs").rglob("grpo/completions.jsonl").__next__().open()
+    ]
+    assert samples and all("<|im_end|>" not in s["completion"] for s in samples)
