@@ -112,7 +112,9 @@ def main(argv: list[str] | None = None) -> None:
 
     def add(name: str, fn, help_: str) -> argparse.ArgumentParser:  # noqa: ANN001
         sp = sub.add_parser(name, help=help_)
-        sp.add_argument("--config", default="configs/tiny.yaml")
+        sp.add_argument(
+            "--config", help="YAML config (default: the embedded default run, configs/tiny.yaml)"
+        )
         sp.add_argument("--set", action="append", metavar="KEY=VALUE", help="config override")
         sp.set_defaults(fn=fn)
         return sp

@@ -18,7 +18,9 @@ from grpo.config import load_config
 
 
 class PipelineParams(BaseModel):
-    config: str = Field("configs/tiny.yaml", description="YAML config path")
+    config: str | None = Field(
+        None, description="YAML config path; none: the embedded default run (configs/tiny.yaml)"
+    )
     overrides: list[str] = Field(default_factory=list, description="key=value overrides")
     control: bool = Field(True, description="also train the SFT-continued control")
 

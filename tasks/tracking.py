@@ -19,11 +19,12 @@ SECRET_WORDS = ("token", "password", "secret", "key")
 
 
 def tracking_uri(cfg: Config) -> str:
-    """MLFLOW_TRACKING_URI, the config's, or sqlite mlflow.db in the project directory."""
+    """MLFLOW_TRACKING_URI, the config's, or sqlite mlflow.db in the working directory (beside
+    runs/, the default output_dir)."""
     return (
         os.environ.get("MLFLOW_TRACKING_URI")
         or cfg.tracking.tracking_uri
-        or f"sqlite:///{(PROJECT / 'mlflow.db').resolve()}"
+        or f"sqlite:///{(Path.cwd() / 'mlflow.db').resolve()}"
     )
 
 

@@ -31,7 +31,7 @@ class ModelConfig(Strict):
     generation_engine: Literal["auto", "fast", "hf"] = Field(
         "auto",
         description="rollouts and evaluation: grpo.models.sampler (fast, Qwen2/Llama family), "
-        "transformers generate (hf), or fast when the architecture is supported (auto)",
+        "transformers generate (hf), or fast for a supported architecture on the CPU (auto)",
     )
 
 

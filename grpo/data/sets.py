@@ -6,14 +6,27 @@ column mapping ("path.jsonl:prompt=question,answer=final").
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 from grpo.config import Config
 from grpo.data.files import DataError, gsm8k_rows, math500_rows, normalize, read_rows
 
-DATA_DIR = Path(__file__).resolve().parents[2] / "data"
 EVAL_SETS = ("synthetic", "synthetic_ood", "gsm8k", "math500")
+
+
+def data_dir() -> Path:
+    """Where the named sets gsm8k and math500 are read: $GRPO_DATA_DIR, else the data/ folder of
+    the source tree (a clone or an editable install; a wheel does not ship the data)."""
+    env = os.environ.get("GRPO_DATA_DIR")
+    path = Path(env) if env else Path(__file__).resolve().parents[2] / "data"
+    if not path.is_dir():
+        raise DataError(
+            f"{path}: data folder not found; the named sets gsm8k and math500 read it. Set "
+            "GRPO_DATA_DIR to a copy of the project's data/ folder, or give a file path"
+        )
+    return path
 
 
 def training_sets(cfg: Config) -> dict[str, list[dict[str, Any]]]:
@@ -54,9 +67,9 @@ def eval_set(name: str, cfg: Config) -> list[dict[str, Any]]:
         sets = make_sets(cfg.data)
         return sets["heldout" if name == "synthetic" else "heldout_ood"]
     if name == "gsm8k":
-        return gsm8k_rows(DATA_DIR / "gsm8k" / "test.jsonl")
+        return gsm8k_rows(data_dir() / "gsm8k" / "test.jsonl")
     if name == "math500":
-        return math500_rows(DATA_DIR / "math500" / "test.jsonl")
+        return math500_rows(data_dir() / "math500" / "test.jsonl")
     path, _, mapping = name.partition(":")
     if not Path(path).suffix:
         raise DataError(f"unknown eval set {name!r}; use one of {EVAL_SETS} or a file path")

@@ -7,6 +7,7 @@ import contextlib
 import copy
 import json
 from collections.abc import Callable
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,8 @@ import torch
 
 from grpo.config import Config
 
-INFRA = Path(__file__).resolve().parents[2] / "infra"
+# shipped inside the package (package data), so that an installed copy finds it too
+TEMPLATE = "deepspeed.json"
 
 
 def deepspeed_config(
@@ -26,9 +28,9 @@ def deepspeed_config(
     weight_decay: float,
     max_grad_norm: float,
 ) -> dict[str, Any]:
-    """infra/deepspeed.json with every 'auto' filled from the typed config and the stage's
+    """grpo/engine/deepspeed.json with every 'auto' filled from the typed config and the stage's
     optimizer settings (GRPO's or SFT's)."""
-    ds = json.loads((INFRA / "deepspeed.json").read_text())
+    ds = json.loads(resources.files("grpo.engine").joinpath(TEMPLATE).read_text())
     ds.pop("_comment", None)
     ds["train_micro_batch_size_per_gpu"] = micro_batch
     ds["gradient_accumulation_steps"] = grad_accum

@@ -128,17 +128,23 @@ def generate(
 
 
 def resolve_engine(model: torch.nn.Module, engine: str) -> str:
-    """ "fast" or "hf" for this model; "fast" on an unsupported architecture is an error."""
+    """ "fast" or "hf" for this model; "fast" on an unsupported architecture is an error.
+
+    "auto" picks the fast sampler for a supported architecture on the CPU only: it has been
+    compared with transformers (log-probs, greedy tokens) on the CPU, not yet on a GPU
+    (benchmarks/gpu_check.py does that comparison; "fast" asks for it explicitly).
+    """
     if engine not in ("auto", "fast", "hf"):
         raise ValueError(f"generation engine: expected auto, fast or hf, got {engine!r}")
     if engine == "hf":
         return "hf"
     reason = sampler.unsupported_reason(model)
-    if reason is None:
-        return "fast"
     if engine == "fast":
-        raise ValueError(f"generation engine 'fast' cannot run this model: {reason}")
-    return "hf"
+        if reason is not None:
+            raise ValueError(f"generation engine 'fast' cannot run this model: {reason}")
+        return "fast"
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    return "fast" if reason is None and on_cpu else "hf"
 
 
 @torch.no_grad()

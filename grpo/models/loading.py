@@ -41,9 +41,18 @@ def load_tokenizer(path: str | Path) -> Any:
     return tok
 
 
+def _quiet_transformers() -> None:
+    """No per-file progress bars from transformers: the stages log their own progress, and
+    SFT saves its best checkpoint many times (each bar is lines in a log file)."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+
+
 def load_model(path: str | Path, dtype: str = "float32", trainable: bool = True) -> Any:
     from transformers import AutoModelForCausalLM
 
+    _quiet_transformers()
     p = Path(path)
     if not (p / "config.json").exists():
         raise ModelDirError(f"{p}: no config.json: not a Hugging Face model directory")
@@ -72,6 +81,7 @@ def save_model_dir(model: torch.nn.Module, tokenizer: Any, out: str | Path) -> P
     import os
     import shutil
 
+    _quiet_transformers()
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():
