@@ -8,8 +8,12 @@ import os
 import sys
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# quiet offline operation: no telemetry, no spin-waiting threads on a shared CPU
+for _k, _v in {
+    "OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false", "DO_NOT_TRACK": "true",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "HF_HUB_DISABLE_TELEMETRY": "1",
+}.items():  # fmt: skip
+    os.environ.setdefault(_k, _v)
 
 
 def _config(a: argparse.Namespace):  # noqa: ANN202
@@ -23,10 +27,21 @@ def _config(a: argparse.Namespace):  # noqa: ANN202
     return load_config(a.config, sets)
 
 
+def _preflight(cfg, *, model_dirs: tuple = (), train: bool = True, tracking: bool = False) -> None:  # noqa: ANN001
+    from grpo.launch.preflight import preflight
+
+    preflight(cfg, model_dirs=[d for d in model_dirs if d], train=train)
+    if tracking:
+        from tasks.tracking import check_reachable
+
+        check_reachable(cfg)
+
+
 def cmd_sft(a: argparse.Namespace) -> None:
     from grpo.launch.runner import run_sft
 
     cfg = _config(a)
+    _preflight(cfg, train=False)
     out = run_sft(cfg, force=a.force)
     print(f"SFT reference: {out}")
     summary = out / "sft_summary.json"
@@ -39,6 +54,7 @@ def cmd_train(a: argparse.Namespace) -> None:
     from grpo.launch.runner import run_grpo, run_sft
 
     cfg = _config(a)
+    _preflight(cfg, model_dirs=(a.policy,))
     # run_sft reuses a cached reference, and returns model.path itself when SFT is off
     policy = Path(a.policy) if a.policy else run_sft(cfg)
     out = Path(a.out) if a.out else cfg.run_dir() / "grpo"
@@ -62,6 +78,8 @@ def cmd_evaluate(a: argparse.Namespace) -> None:
 
         model = str(download_model(model, cfg))
     sets = a.sets.split(",") if a.sets else cfg.eval.sets
+    _preflight(cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"sets": sets})}),
+               model_dirs=(model, a.baseline), train=False)  # fmt: skip
     out = a.out or str(cfg.run_dir() / "eval" / Path(model).name)
     samples = a.samples or cfg.eval.samples
     report = evaluate_model(cfg, model, sets, out, samples=samples, limit=a.limit)
@@ -89,6 +107,7 @@ def cmd_evaluate(a: argparse.Namespace) -> None:
 def cmd_pipeline(a: argparse.Namespace) -> None:
     from flows.pipeline import PipelineParams, grpo_pipeline
 
+    _preflight(_config(a), tracking=True)
     grpo_pipeline(PipelineParams(config=a.config, overrides=list(a.set or [])))
 
 
@@ -108,6 +127,7 @@ def cmd_serve(a: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="grpo", description=__doc__)
+    p.add_argument("--debug", action="store_true", help="tracebacks instead of one-line errors")
     sub = p.add_subparsers(dest="command", required=True)
 
     def add(name: str, fn, help_: str) -> argparse.ArgumentParser:  # noqa: ANN001
@@ -142,16 +162,39 @@ def main(argv: list[str] | None = None) -> None:
     sv.add_argument("--prefect-port", type=int, default=4200)
     sv.add_argument("--mlflow-port", type=int, default=5000)
     a = p.parse_args(argv)
-    from grpo.config import ConfigError
-    from grpo.data.files import DataError
-    from grpo.launch.runner import StageError
-    from grpo.models.loading import ModelDirError
-
+    if a.debug:
+        os.environ["GRPO_DEBUG"] = "1"  # ranks print their tracebacks too
+        a.fn(a)
+        return
     try:
         a.fn(a)
-    except (ConfigError, DataError, ModelDirError, StageError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except _user_errors() as e:
+        print(f"error: {_one_line(e)}", file=sys.stderr)
         sys.exit(2)
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Failures a user can act on: one line each, no traceback (--debug shows it)."""
+    from grpo.config import ConfigError
+    from grpo.data.files import DataError
+    from grpo.launch.preflight import PreflightError
+    from grpo.launch.runner import StageError
+    from grpo.models.loading import ModelDirError
+    from grpo.models.prompts import PromptLengthError
+    from reward_fns import RewardFunctionError
+    from tasks.tracking import TrackingUnreachable
+    from tasks.validation import DataValidationError
+
+    return (ConfigError, DataError, ModelDirError, StageError, PreflightError,
+            RewardFunctionError, TrackingUnreachable, DataValidationError, PromptLengthError,
+            OSError)  # fmt: skip
+
+
+def _one_line(e: BaseException) -> str:
+    """The message, and the file an OSError is about."""
+    if isinstance(e, OSError) and e.filename:
+        return f"{e.filename}: {e.strerror or e}"
+    return str(e)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ MLflow parent run per pipeline run, a nested run per stage.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -70,7 +71,8 @@ def _print_summary(r: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    con = Console()
+    # a log file or a Prefect log is no terminal: rich would cut cells at 80 columns there
+    con = Console() if sys.stdout.isatty() else Console(width=160)
     table = Table(title="Held-out accuracy (greedy pass@1, 95% Wilson CI)")
     cols = list(r["table"][0].keys()) if r["table"] else []
     for col in cols:

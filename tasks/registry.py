@@ -18,9 +18,11 @@ def register(
     c = client(cfg)
     name = cfg.tracking.registered_model
     try:
-        c.get_registered_model(name)
-    except MlflowException:
         c.create_registered_model(name, description="GRPO policies from grpo-pipeline")
+    except MlflowException as e:
+        # it exists already (perhaps created a moment ago by a concurrent pipeline)
+        if e.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
     mv = c.create_model_version(name, source=f"runs:/{run_id}/{artifact_path}", run_id=run_id)
     for k, v in metrics.items():
         c.set_model_version_tag(name, mv.version, k, f"{v:.6f}")

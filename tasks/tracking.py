@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo.config import Config
+from grpo.launch.paths import file_lock
 
 PROJECT = Path(__file__).resolve().parents[1]
 SECRET_WORDS = ("token", "password", "secret", "key")
@@ -28,6 +29,36 @@ def tracking_uri(cfg: Config) -> str:
     )
 
 
+_SCHEMA_READY: set[str] = set()  # sqlite stores this process has opened under the lock
+
+
+class TrackingUnreachable(RuntimeError):
+    """The tracking store or server cannot be used; the message names its URI."""
+
+
+def check_reachable(cfg: Config, timeout_s: float = 5.0) -> None:
+    """Before anything starts: an http(s) tracking server answers /health within timeout_s; a
+    sqlite store's folder is writable. (MLflow's own client retries for minutes.)"""
+    import urllib.error
+    import urllib.request
+
+    uri = tracking_uri(cfg)
+    if uri.startswith(("http://", "https://")):
+        try:
+            with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout_s):
+                return
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            reason = getattr(e, "reason", e)
+            raise TrackingUnreachable(
+                f"MLflow tracking server {uri} unreachable ({reason}); start it, or unset "
+                "MLFLOW_TRACKING_URI / tracking.tracking_uri to use the local sqlite store"
+            ) from e
+    if uri.startswith("sqlite:///"):
+        folder = Path(uri.removeprefix("sqlite:///")).parent
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise TrackingUnreachable(f"{uri}: the store's folder {folder} is not writable")
+
+
 def client(cfg: Config) -> Any:
     import mlflow
     from mlflow import MlflowClient
@@ -35,6 +66,15 @@ def client(cfg: Config) -> Any:
     uri = tracking_uri(cfg)
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
+    if uri.startswith("sqlite:///") and uri not in _SCHEMA_READY:
+        # the first client of a store creates or migrates its schema, which is not safe from
+        # two processes at once: one at a time (both stores: tracking, registry)
+        db = Path(uri.removeprefix("sqlite:///"))
+        with file_lock(db.with_name(db.name + ".lock")):
+            c = MlflowClient(tracking_uri=uri, registry_uri=uri)
+            c.search_registered_models(max_results=1)
+        _SCHEMA_READY.add(uri)
+        return c
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 

@@ -14,7 +14,7 @@ from grpo.config import Config
 from grpo.data.sets import eval_set, training_sets
 from grpo.launch.paths import base_model_dir
 from grpo.models.loading import load_tokenizer
-from grpo.models.prompts import render_prompt
+from grpo.models.prompts import prompt_token_counts
 from reward_fns import gold_parses
 
 
@@ -31,12 +31,6 @@ def set_label(name: str) -> str:
 def normalise(text: str) -> str:
     """Text as compared for contamination: lower case, whitespace collapsed."""
     return re.sub(r"\s+", " ", text.strip().lower())
-
-
-def prompt_token_counts(tok: Any, cfg: Config, prompts: list[str]) -> list[int]:
-    """Tokens of each prompt as the model sees it (chat template included), with its tokenizer."""
-    texts = [render_prompt(tok, p, cfg) for p in prompts]
-    return [len(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"]]
 
 
 def _frame(

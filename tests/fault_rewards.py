@@ -21,3 +21,7 @@ def kill_rank1_at_step3(completions, **kw):
     if os.environ.get("RANK") == "1" and _calls["n"] == 3:
         os.kill(os.getpid(), signal.SIGKILL)
     return [0.0] * len(completions)
+
+
+def raise_value_error(completions, **kw):
+    raise ValueError("bad completion")

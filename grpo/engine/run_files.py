@@ -1,13 +1,15 @@
 """The files a GRPO run writes as it goes: metrics.jsonl (one line per step), completions.jsonl
 (samples every K steps), and checkpoints/ (engine state plus step and RNG states).
 
-Only rank 0 writes the JSONL files. On resume, metrics.jsonl keeps only the steps up to the
-checkpoint, so a resumed run has exactly one line per step.
+Only rank 0 writes the JSONL files. On resume, both files keep only the steps up to the
+checkpoint (a line torn by a kill is dropped), rewritten atomically, so a resumed run has exactly
+one metrics line per step and no duplicated completions.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +35,11 @@ class RunFiles:
                 start = int(client["step"])
                 checkpoint.set_rng_state(client["rng"])
         if self.rank == 0:
-            kept = []
-            if start and self.metrics_path.exists():  # drop lines of steps after the checkpoint
-                kept = [ln for ln in self.metrics_path.read_text().splitlines()
-                        if ln and json.loads(ln)["step"] <= start]  # fmt: skip
-            self.metrics_path.write_text("".join(ln + "\n" for ln in kept))
+            samples_path = self.out / "completions.jsonl"
+            for path in (self.metrics_path, samples_path):
+                trim_jsonl(path, start)
             self._metrics = self.metrics_path.open("a")
-            self._samples = (self.out / "completions.jsonl").open("a")
+            self._samples = samples_path.open("a")
         return start
 
     def log_metrics(self, m: dict[str, Any]) -> None:
@@ -67,3 +67,26 @@ class RunFiles:
         for f in (self._metrics, self._samples):
             if f:
                 f.close()
+
+
+def trim_jsonl(path: Path, max_step: int) -> int:
+    """Keep the whole lines of `path` whose "step" is at most max_step; returns how many.
+
+    A line is whole when a newline ends it: the last one may be torn by a kill mid-write, and a
+    line that does not parse is dropped too. The file is replaced atomically (a kill during the
+    rewrite leaves the old file).
+    """
+    kept: list[bytes] = []
+    if path.exists():
+        *whole, _torn = path.read_bytes().split(b"\n")
+        for line in whole:
+            try:
+                step = json.loads(line)["step"]
+            except (ValueError, KeyError, TypeError):
+                continue
+            if isinstance(step, int) and step <= max_step:
+                kept.append(line + b"\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(b"".join(kept))
+    os.replace(tmp, path)
+    return len(kept)

@@ -100,16 +100,24 @@ def paired_difference(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[
 
 
 def markdown_table(report: dict[str, Any]) -> str:
+    """One row per set: accuracy with its interval, and pass@k / maj@k when sampled."""
+    ks = sorted(
+        {k for m in report["sets"].values() for k in m if k.startswith(("pass@", "maj@"))},
+        key=lambda k: (k.split("@")[0], int(k.split("@")[1])),
+    )
+    head = ["set", "problems", "accuracy", "95% CI", *ks, "mean length", "truncated"]
     lines = [
         f"Model: `{report['model']}`",
         "",
-        "| set | problems | accuracy | 95% CI | mean length | truncated |",
-        "|---|---|---|---|---|---|",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
     ]
     for name, m in report["sets"].items():
-        lines.append(
-            f"| {name} | {int(m['num_problems'])} | {m['accuracy']:.3f} | "
-            f"[{m['accuracy_ci_low']:.3f}, {m['accuracy_ci_high']:.3f}] | "
-            f"{m['mean_length']:.1f} | {m['truncation_rate']:.3f} |"
-        )
+        cells = [
+            name, str(int(m["num_problems"])), f"{m['accuracy']:.3f}",
+            f"[{m['accuracy_ci_low']:.3f}, {m['accuracy_ci_high']:.3f}]",
+            *(f"{m[k]:.3f}" if k in m else "" for k in ks),
+            f"{m['mean_length']:.1f}", f"{m['truncation_rate']:.3f}",
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

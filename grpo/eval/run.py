@@ -16,7 +16,7 @@ from grpo.data.sets import eval_set
 from grpo.eval.metrics import markdown_table, summarize
 from grpo.models.generate import generate
 from grpo.models.loading import eos_token_ids
-from grpo.models.prompts import encode_prompts
+from grpo.models.prompts import check_prompt_lengths, encode_prompts
 from grpo.progress import progress_bar
 from reward_fns import accuracy, extract_answer
 
@@ -101,6 +101,7 @@ def evaluate_model(
     shots = few_shot_prefix(cfg)
     for name in sets:
         rows = eval_set(name, cfg)[:limit] if limit else eval_set(name, cfg)
+        check_prompt_lengths(tok, cfg, rows, name)
         if shots:
             rows = [{**r, "prompt": shots + r["prompt"]} for r in rows]
         recs = generate_for_rows(

@@ -2,11 +2,29 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+from collections.abc import Iterator
 from pathlib import Path
 
 import yaml
 
 from grpo.config import Config
+
+ERROR_DIR = "GRPO_ERROR_DIR"  # environment: where a failing rank writes its error (worker.py)
+
+
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock held for the `with` block, across processes (two pipelines building
+    the same cached model, or creating the same sqlite store, wait for each other)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def base_model_dir(cfg: Config) -> Path:
@@ -16,8 +34,9 @@ def base_model_dir(cfg: Config) -> Path:
     from grpo.models.tiny import build_tiny_model
 
     out = Path(cfg.output_dir) / "base" / f"tiny-{cfg.digest('model')}-s{cfg.seed}"
-    if not (out / "config.json").exists():
-        build_tiny_model(out, cfg.model.tiny, cfg.seed)
+    with file_lock(out.with_name(out.name + ".lock")):
+        if not (out / "config.json").exists():
+            build_tiny_model(out, cfg.model.tiny, cfg.seed)
     return out
 
 

@@ -9,19 +9,32 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from grpo.config import Config
-from grpo.launch.paths import base_model_dir, reference_dir, write_config
+from grpo.launch.paths import (
+    ERROR_DIR,
+    base_model_dir,
+    file_lock,
+    reference_dir,
+    write_config,
+)
 
 
 class StageError(RuntimeError):
-    """A stage (or one of its ranks) failed; the message carries the failing output."""
+    """A stage (or one of its ranks) failed; the message names the rank's error in one line,
+    `details` holds its traceback (shown with --debug)."""
+
+    def __init__(self, message: str, details: str = "") -> None:
+        super().__init__(message)
+        self.details = details
 
 
 def _distributed(cfg: Config) -> bool:
@@ -42,7 +55,8 @@ def launcher_command(cfg: Config, stage: str, config_path: Path, *args: str) -> 
 def run_subprocess(
     cmd: list[str], log: Callable[[str], None] = print, env: dict[str, str] | None = None
 ) -> None:
-    """Run a command, streaming its output line by line; on failure raise with its tail."""
+    """Run a command, streaming its output line by line; on failure raise StageError naming
+    the first rank's error (from the error file the worker writes), else the output's tail."""
     # a rank's own process group settings must not leak into the ranks it starts
     dist_vars = {
         "RANK",
@@ -53,7 +67,10 @@ def run_subprocess(
         "MASTER_PORT",
     }
     inherited = {k: v for k, v in os.environ.items() if k not in dist_vars}
-    full_env = {**inherited, "OMP_WAIT_POLICY": "PASSIVE", **(env or {})}
+    errors_dir = Path(tempfile.mkdtemp(prefix="grpo-errors-"))
+    full_env = {
+        **inherited, "OMP_WAIT_POLICY": "PASSIVE", ERROR_DIR: str(errors_dir), **(env or {})
+    }  # fmt: skip
     tail: deque[str] = deque(maxlen=40)
     with subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env
@@ -64,9 +81,21 @@ def run_subprocess(
             tail.append(line)
             log(line)
         code = proc.wait()
-    if code != 0:
-        errors = [ln for ln in tail if "Error" in ln or "error" in ln] or list(tail)[-10:]
-        raise StageError(f"{' '.join(cmd[-6:])} exited with {code}:\n" + "\n".join(errors[-15:]))
+    records = [json.loads(f.read_text()) for f in sorted(errors_dir.glob("rank*.json"))]
+    shutil.rmtree(errors_dir, ignore_errors=True)
+    if code == 0:
+        return
+    stage = cmd[cmd.index("grpo.launch.worker") + 1] if "grpo.launch.worker" in cmd else cmd[-1]
+    if records:
+        r = min(records, key=lambda x: x["rank"])
+        first = (r["message"].strip().splitlines() or [""])[0]
+        raise StageError(
+            f"{stage} stage exited with {code}: rank {r['rank']}: {r['type']}: {first}",
+            r["traceback"],
+        )
+    errors = [ln for ln in tail if "Error" in ln or "error" in ln] or list(tail)[-10:]
+    raise StageError(f"{stage} stage exited with {code}: " + " | ".join(errors[-3:]),
+                     "\n".join(tail))  # fmt: skip
 
 
 def run_sft(cfg: Config, *, force: bool = False, log: Callable[[str], None] = print) -> Path:
@@ -74,10 +103,17 @@ def run_sft(cfg: Config, *, force: bool = False, log: Callable[[str], None] = pr
     out = reference_dir(cfg)
     if not cfg.sft.enabled:
         return out
-    if (out / "config.json").exists() and (out / "sft_summary.json").exists() and not force:
-        log(f"SFT reference cache hit: {out}")
-        return out
     base = base_model_dir(cfg)
+    # a second pipeline of the same config waits here, then finds the cache
+    with file_lock(out.with_name(out.name + ".lock")):
+        if (out / "config.json").exists() and (out / "sft_summary.json").exists() and not force:
+            log(f"SFT reference cache hit: {out}")
+            return out
+        _build_reference(cfg, base, out, log)
+    return out
+
+
+def _build_reference(cfg: Config, base: Path, out: Path, log: Callable[[str], None]) -> None:
     if _distributed(cfg):
         cfg_path = write_config(cfg, out.with_name(out.name + "_config.yaml"))
         run_subprocess(launcher_command(cfg, "sft", cfg_path, "--base", str(base)), log)
@@ -87,7 +123,6 @@ def run_sft(cfg: Config, *, force: bool = False, log: Callable[[str], None] = pr
 
         summary = train_sft(cfg, base, out, training_sets(cfg))
         (out / "sft_summary.json").write_text(json.dumps(summary, indent=2))
-    return out
 
 
 def run_grpo(

@@ -8,12 +8,43 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def main(argv: list[str] | None = None) -> None:
+    try:
+        _main(argv)
+    except Exception as e:
+        # the parent names the error in one line; the traceback only with --debug
+        if not _write_error(e) or os.environ.get("GRPO_DEBUG"):
+            raise
+        sys.exit(1)
+
+
+def _write_error(e: BaseException) -> bool:
+    """The rank's error as JSON ({type, message, traceback}), so that the parent can name it in
+    one line instead of the launcher's "exited with 1"."""
+    import traceback
+
+    from grpo.launch.paths import ERROR_DIR
+
+    where = os.environ.get(ERROR_DIR)
+    if not where:
+        return False
+    rank = os.environ.get("RANK", "0")
+    record = {
+        "rank": int(rank), "type": type(e).__name__, "message": str(e),
+        "traceback": "".join(traceback.format_exception(e)),
+    }  # fmt: skip
+    Path(where).mkdir(parents=True, exist_ok=True)
+    Path(where, f"rank{rank}.json").write_text(json.dumps(record))
+    return True
+
+
+def _main(argv: list[str] | None) -> None:
     p = argparse.ArgumentParser(prog="grpo.launch.worker")
     p.add_argument("stage", choices=["sft", "train"])
     p.add_argument("--config", required=True)

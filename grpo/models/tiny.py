@@ -40,6 +40,7 @@ def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig, seed: int) -> Pa
     """Write a randomly initialised tiny Qwen2 and its tokenizer to out_dir; returns the path."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers.utils.logging import disable_progress_bar
 
     out = Path(out_dir)
     tok = build_tokenizer()
@@ -58,6 +59,7 @@ def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig, seed: int) -> Pa
         bos_token_id=None,
     )
     model = Qwen2ForCausalLM(config)
+    disable_progress_bar()
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tok.save_pretrained(out)

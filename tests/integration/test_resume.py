@@ -1,5 +1,6 @@
 """SIGKILL mid-run, then --resume: the same final parameters as an uninterrupted run."""
 
+import json
 import os
 import signal
 import subprocess
@@ -85,3 +86,35 @@ def test_secrets_never_become_mlflow_params(tmp_path):
     assert "grpo.lr" in params
     assert not any(k.endswith(("token", "password", "secret")) for k in params)
     assert all("pw@" not in v for v in params.values())
+
+
+def test_resume_after_a_torn_line_trims_both_files_and_ends_the_same(tmp_path):
+    """Killed while writing step 6's lines after the step-4 checkpoint: metrics.jsonl ends in a
+    torn line and completions.jsonl holds steps past the checkpoint. --resume continues from
+    step 4 and ends with the weights of an uninterrupted run, each step logged once."""
+    import shutil
+
+    cfg = small_config(tmp_path, "grpo.steps=6", "grpo.checkpoint_every=2",
+                       "grpo.log_completions_every=1")  # fmt: skip
+    base = base_model_dir(cfg)
+    cfg_path = write_config(cfg, tmp_path / "config.yaml")
+    out = tmp_path / "run"
+    run_subprocess(_cmd(cfg_path, base, out, False), log=lambda s: None)
+    whole = load_file(out / "policy" / "model.safetensors")
+    # what a kill during step 6 leaves: latest = step 4, step 5's lines, a torn step-6 line
+    (out / "checkpoints" / "latest").write_text("step0000004")
+    shutil.rmtree(out / "policy")
+    lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (out / "metrics.jsonl").write_text("".join(lines[:5]) + lines[5][: len(lines[5]) // 2])
+    n_samples = len((out / "completions.jsonl").read_text().splitlines())
+    with (out / "completions.jsonl").open("a") as f:
+        f.write('{"step": 6, "prompt": "1+1=", "compl')
+
+    run_subprocess(_cmd(cfg_path, base, out, True), log=lambda s: None)
+    resumed = load_file(out / "policy" / "model.safetensors")
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    samples = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
+    assert len(samples) == n_samples  # steps 5 and 6 logged once, not twice
+    assert sorted({s["step"] for s in samples}) == [1, 2, 3, 4, 5, 6]

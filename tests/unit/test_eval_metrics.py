@@ -52,3 +52,18 @@ def test_summarize_with_samples_and_paired_difference():
     a = [_rec("a", 0, True), _rec("b", 0, False)]
     d = paired_difference(a, b)
     assert d["diff"] == 0.5 and d["n"] == 2
+
+
+def test_the_printed_table_shows_pass_and_maj_at_k():
+    from grpo.eval.metrics import markdown_table
+
+    recs = [
+        {"id": str(i), "sample": j, "correct": (i + j) % 3 == 0, "extracted": str(j % 2),
+         "length": 5, "truncated": False}
+        for i in range(6) for j in range(4)
+    ]  # fmt: skip
+    table = markdown_table({"model": "m", "sets": {"s": summarize(recs)}})
+    header, _, row = table.splitlines()[2:5]
+    assert "pass@4" in header and "maj@2" in header
+    cells = dict(zip(header.split("|"), row.split("|")))
+    assert float(cells[" pass@4 "]) == pytest.approx(summarize(recs)["pass@4"], abs=5e-4)

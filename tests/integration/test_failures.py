@@ -1,0 +1,133 @@
+"""Failure modes a user meets: caught before anything expensive, one line each, nothing lost."""
+
+import json
+import os
+import resource
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.helpers import ROOT, SMALL
+
+pytestmark = [pytest.mark.slow, pytest.mark.faults]
+
+
+def _grpo(*args, cwd, env=None, timeout=300):
+    """`grpo ...` as a user runs it; returns (exit code, stdout, stderr, seconds)."""
+    full = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    full.update(env or {})
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=full,
+                       capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    return p.returncode, p.stdout, p.stderr, time.perf_counter() - t0
+
+
+def _sets(tmp, *extra):
+    return [a for s in [*SMALL, f"output_dir={tmp / 'runs'}", *extra] for a in ("--set", s)]
+
+
+def _one_line_error(code, out, err, *needles):
+    # progress bars (tqdm writes them to stderr) are not failures
+    lines = [ln for ln in err.splitlines() if ln.strip() and "%|" not in ln]
+    assert code == 2, (code, out[-2000:], err[-2000:])
+    assert len(lines) == 1 and lines[0].startswith("error: "), err[-2000:]
+    assert "Traceback" not in out + err
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+def test_a_missing_or_corrupt_model_is_named_before_any_rank_starts(tmp_path):
+    code, out, err, secs = _grpo("train", "--policy", str(tmp_path / "nope"), *_sets(tmp_path),
+                                 cwd=tmp_path)  # fmt: skip
+    _one_line_error(code, out, err, str(tmp_path / "nope"), "not found")
+    # a truncated weights file: named by its path
+    from grpo.launch.paths import base_model_dir
+    from tests.helpers import small_config
+
+    model = base_model_dir(small_config(tmp_path))
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])
+    code, out, err, secs = _grpo("train", "--policy", str(model), *_sets(tmp_path), cwd=tmp_path)
+    _one_line_error(code, out, err, str(weights), "truncated")
+    assert not (tmp_path / "runs" / "tiny" / "grpo").exists()  # nothing started
+
+
+def test_unknown_or_unimportable_rewards_and_unwritable_output(tmp_path):
+    code, out, err, _ = _grpo("train", *_sets(tmp_path, "grpo.reward_funcs=[acuracy]",
+                                              "grpo.reward_weights=[1]"), cwd=tmp_path)  # fmt: skip
+    assert code == 2 and "'acuracy'" in err and "accuracy" in err and "Traceback" not in err
+    code, out, err, _ = _grpo("train", *_sets(tmp_path, "grpo.reward_funcs=['no_such_mod:f']",
+                                              "grpo.reward_weights=[1]"), cwd=tmp_path)  # fmt: skip
+    _one_line_error(code, out, err, "no_such_mod:f", "cannot import")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    code, out, err, _ = _grpo("train", *_sets(tmp_path), "--set", f"output_dir={blocker}/runs",
+                              cwd=tmp_path)  # fmt: skip
+    _one_line_error(code, out, err, str(blocker / "runs"), "not writable")
+
+
+def test_an_unreachable_tracking_server_fails_fast_naming_it(tmp_path):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    uri = f"http://127.0.0.1:{port}"
+    code, out, err, secs = _grpo("pipeline", *_sets(tmp_path), cwd=tmp_path,
+                                 env={"MLFLOW_TRACKING_URI": uri})  # fmt: skip
+    _one_line_error(code, out, err, uri, "unreachable")
+    assert secs < 30
+
+
+def test_a_10mb_prompt_is_refused_quickly_with_little_memory(tmp_path):
+    big = tmp_path / "big.jsonl"
+    rows = [{"id": "ok", "prompt": "1+2=", "answer": "3"},
+            {"id": "huge", "prompt": "1+" * 5_000_000 + "1=", "answer": "5000001"}]  # fmt: skip
+    big.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    from grpo.launch.paths import base_model_dir
+    from tests.helpers import small_config
+
+    model = base_model_dir(small_config(tmp_path))
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    code, out, err, secs = _grpo("evaluate", "--model", str(model), "--sets", str(big),
+                                 *_sets(tmp_path), cwd=tmp_path)  # fmt: skip
+    peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    _one_line_error(code, out, err, str(big), "row 1", "huge", "max_prompt_length")
+    assert secs < 60
+    assert max(peak_kib, before) < 1024 * 1024  # under 1 GiB
+
+
+def test_an_error_inside_a_rank_reaches_the_user_as_one_line(tmp_path):
+    code, out, err, _ = _grpo(
+        "train", *_sets(tmp_path, "grpo.reward_funcs=['tests.fault_rewards:raise_value_error']",
+                        "grpo.reward_weights=[1]"), cwd=ROOT,
+    )  # fmt: skip
+    line = _one_line_error(code, out, err, "rank 0", "RewardFunctionError", "raise_value_error")
+    assert "bad completion" in line
+
+
+def test_two_pipelines_on_a_fresh_store_both_finish(tmp_path):
+    """Two pipelines started at once against a new sqlite store and the same SFT cache."""
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    args = [sys.executable, "-m", "flows.cli", "pipeline", *_sets(tmp_path, "grpo.eval_every=0",
+            "tracking.registered_model=concurrent")]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )  # fmt: skip
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=900)[0] for p in procs]
+    (tmp_path / "outs.txt").write_text("\n=====\n".join(outs))
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    c = MlflowClient(uri, uri)
+    versions = c.search_model_versions("name='concurrent'")
+    assert sorted(int(v.version) for v in versions) == [1, 2]
+    champion = c.get_model_version_by_alias("concurrent", "champion")
+    assert champion.version in {v.version for v in versions}
+    assert len(list((tmp_path / "runs" / "sft").glob("*/model.safetensors"))) == 1
