@@ -38,8 +38,10 @@ def grpo_pipeline(params: PipelineParams = PipelineParams()) -> dict[str, Any]: 
     parent = c.create_run(
         exp_id,
         run_name=f"{cfg.run_name}-{time.strftime('%Y%m%d-%H%M%S')}",
-        tags={"git_commit": tracking.git_commit(), "config_digest": cfg.digest(),
-              "data_hash": cfg.digest("data"), "pipeline_version": "0.1.0"},
+        tags={"mlflow.source.git.commit": tracking.git_commit(), "mlflow.source.type": "JOB",
+              "mlflow.source.name": "flows/pipeline.py:grpo_pipeline",
+              "config_digest": cfg.digest(), "data_hash": cfg.digest("data"),
+              "pipeline_version": tracking.package_version()},
     )  # fmt: skip
     pid = parent.info.run_id
     run_dir = Path(cfg.output_dir) / cfg.run_name / pid
@@ -55,7 +57,7 @@ def grpo_pipeline(params: PipelineParams = PipelineParams()) -> dict[str, Any]: 
         if params.control and cfg.sft.enabled:
             models["sft_continued"] = stages.sft_control(cfg, pid, ref, trained["seconds"], run_dir)
         ev = stages.evaluate(cfg, pid, models, run_dir)
-        reg = stages.register_model(cfg, trained["run_id"], ev["metrics"])
+        reg = stages.register_model(cfg, trained["run_id"], trained["model_uri"], ev["metrics"])
     except BaseException:
         c.set_terminated(pid, "FAILED")
         raise

@@ -6,13 +6,12 @@ from pathlib import Path
 from typing import Any
 
 from grpo.config import Config
-from tasks.tracking import client
+from tasks.tracking import client, safe_key
 
 
-def register(
-    cfg: Config, run_id: str, artifact_path: str, metrics: dict[str, float]
-) -> dict[str, Any]:
-    """New version from runs:/<run_id>/<artifact_path>; alias challenger; gate for champion."""
+def register(cfg: Config, run_id: str, model_uri: str, metrics: dict[str, float]) -> dict[str, Any]:
+    """A version of the logged model (tasks.serving) of run_id; alias challenger; the gate
+    for champion. Safe to retry: a version of the same run is reused, not duplicated."""
     from mlflow.exceptions import MlflowException
 
     c = client(cfg)
@@ -23,12 +22,17 @@ def register(
         # it exists already (perhaps created a moment ago by a concurrent pipeline)
         if e.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
-    mv = c.create_model_version(name, source=f"runs:/{run_id}/{artifact_path}", run_id=run_id)
+    # a Prefect retry must not create a second version of the same run
+    existing = c.search_model_versions(f"name='{name}' and run_id='{run_id}'")
+    logged = model_uri.removeprefix("models:/") if model_uri.startswith("models:/m-") else None
+    mv = existing[0] if existing else c.create_model_version(
+        name, source=model_uri, run_id=run_id, model_id=logged
+    )  # fmt: skip
     for k, v in metrics.items():
-        c.set_model_version_tag(name, mv.version, k, f"{v:.6f}")
+        c.set_model_version_tag(name, mv.version, safe_key(k), f"{v:.6f}")
     c.set_registered_model_alias(name, "challenger", mv.version)
-    metric = cfg.tracking.promotion_metric
-    candidate = metrics.get(metric)
+    metric = safe_key(cfg.tracking.promotion_metric)
+    candidate = {safe_key(k): v for k, v in metrics.items()}.get(metric)
     champion = _alias_version(c, name, "champion")
     promoted, reason = False, ""
     if champion is None:
@@ -73,5 +77,7 @@ def download_model(uri: str, cfg: Config, dst: str | None = None) -> Path:
     """A models:/NAME@ALIAS (or /VERSION) URI as a local Hugging Face model directory."""
     import mlflow
 
+    from tasks.serving import policy_dir_of
+
     client(cfg)
-    return Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=dst))
+    return policy_dir_of(Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=dst)))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -88,6 +89,16 @@ def git_commit() -> str:
     return out.stdout.strip() or "unknown"
 
 
+def package_version() -> str:
+    """The installed grpo-pipeline version (package metadata, not a literal in the code)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("grpo-pipeline")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def safe_params(cfg: Config) -> dict[str, str]:
     """Flattened config: keys that look like credentials left out, URL passwords masked."""
     import re
@@ -97,6 +108,16 @@ def safe_params(cfg: Config) -> dict[str, str]:
         for k, v in cfg.flat().items()
         if not any(w in k.lower().split(".")[-1] for w in SECRET_WORDS)
     }
+
+
+def safe_key(name: str) -> str:
+    """A metric, param or tag name MLflow accepts: "@" (pass@k) spelled "_at_", any other
+    character outside letters, digits, _ - . / and space replaced by "_".
+
+    >>> safe_key("grpo/eval/x/pass@2"), safe_key("a:b")
+    ('grpo/eval/x/pass_at_2', 'a_b')
+    """
+    return re.sub(r"[^\w\-./ ]", "_", name.replace("@", "_at_"))
 
 
 def log_params(c: Any, run_id: str, params: dict[str, str]) -> None:
@@ -115,7 +136,7 @@ def log_step_metrics(c: Any, run_id: str, rows: list[dict[str, Any]], prefix: st
 
     now = int(time.time() * 1000)
     ms = [
-        Metric(f"{prefix}{k}".replace("@", "_at_"), float(v), now, int(r["step"]))
+        Metric(safe_key(f"{prefix}{k}"), float(v), now, int(r["step"]))
         for r in rows
         for k, v in r.items()
         if k != "step" and isinstance(v, (int, float)) and math.isfinite(float(v))
@@ -249,7 +270,7 @@ def log_evaluation(
     for s, m in report["sets"].items():
         for k, v in m.items():
             if isinstance(v, float):
-                c.log_metric(run_id, f"{prefix}eval/{s}/{k}".replace("@", "_at_"), v)
+                c.log_metric(run_id, safe_key(f"{prefix}eval/{s}/{k}"), v)
     samples = read_jsonl(out_dir / "samples.jsonl")
     if samples:
         c.log_table(run_id, data=pd.DataFrame(samples), artifact_file=f"{prefix}eval/samples.json")

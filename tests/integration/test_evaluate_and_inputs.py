@@ -95,7 +95,8 @@ def test_cli_evaluate_on_gsm8k(tmp_path):
     model = base_model_dir(cfg)
     out = subprocess.run(
         [sys.executable, "-m", "flows.cli", "evaluate", "--model", str(model), "--sets", "gsm8k",
-         "--limit", "50", "--out", str(tmp_path / "e"), "--baseline", str(model)],
+         "--limit", "50", "--out", str(tmp_path / "e"), "--baseline", str(model),
+         "--set", "grpo.max_prompt_length=1024"],  # GSM8K in characters: up to 848
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]

@@ -55,7 +55,8 @@ def test_end_to_end_logs_registers_and_loads(store, capsys):
     parent = c.get_run(result["parent_run_id"])
     assert parent.info.status == "FINISHED"
     assert parent.data.params["grpo.num_generations"] == "4"
-    assert parent.data.tags["git_commit"] and parent.data.tags["data_hash"]
+    assert parent.data.tags["mlflow.source.git.commit"] and parent.data.tags["data_hash"]
+    assert parent.data.tags["pipeline_version"] == "0.1.0"  # from the package metadata
     children = c.search_runs(
         [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
     )
@@ -114,13 +115,13 @@ def test_promotion_gate_keeps_a_better_champion(store):
     c = MlflowClient(uri, uri)
     exp = c.create_experiment("gate")
     runs = [c.create_run(exp).info.run_id for _ in range(3)]
-    first = register(cfg, runs[0], "policy", {"eval/synthetic/accuracy": 0.6})
+    first = register(cfg, runs[0], f"runs:/{runs[0]}/policy", {"eval/synthetic/accuracy": 0.6})
     assert first["champion"]
-    worse = register(cfg, runs[1], "policy", {"eval/synthetic/accuracy": 0.5})
+    worse = register(cfg, runs[1], f"runs:/{runs[1]}/policy", {"eval/synthetic/accuracy": 0.5})
     assert not worse["champion"] and "<=" in worse["reason"]
     assert c.get_model_version_by_alias("gate-test", "champion").version == first["version"]
     assert c.get_model_version_by_alias("gate-test", "challenger").version == worse["version"]
-    better = register(cfg, runs[2], "policy", {"eval/synthetic/accuracy": 0.7})
+    better = register(cfg, runs[2], f"runs:/{runs[2]}/policy", {"eval/synthetic/accuracy": 0.7})
     assert better["champion"]
     promote(cfg, first["version"])  # manual rollback
     assert c.get_model_version_by_alias("gate-test", "champion").version == first["version"]

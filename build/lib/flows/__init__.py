@@ -1,0 +1,1 @@
+"""Prefect flows: the pipeline, deployments and the command line."""

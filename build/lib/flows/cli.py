@@ -1,0 +1,201 @@
+"""`grpo` command line: one subcommand per stage, plus the pipeline, promotion and serving."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+# quiet offline operation: no telemetry, no spin-waiting threads on a shared CPU
+for _k, _v in {
+    "OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false", "DO_NOT_TRACK": "true",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "HF_HUB_DISABLE_TELEMETRY": "1",
+}.items():  # fmt: skip
+    os.environ.setdefault(_k, _v)
+
+
+def _config(a: argparse.Namespace):  # noqa: ANN202
+    from grpo.config import load_config
+
+    sets = list(a.set or [])
+    if getattr(a, "nproc", None):
+        sets.append(f"deepspeed.nproc={a.nproc}")
+    if getattr(a, "hostfile", None):
+        sets.append(f"deepspeed.hostfile={a.hostfile}")
+    return load_config(a.config, sets)
+
+
+def _preflight(cfg, *, model_dirs: tuple = (), train: bool = True, tracking: bool = False) -> None:  # noqa: ANN001
+    from grpo.launch.preflight import preflight
+
+    preflight(cfg, model_dirs=[d for d in model_dirs if d], train=train)
+    if tracking:
+        from tasks.tracking import check_reachable
+
+        check_reachable(cfg)
+
+
+def cmd_sft(a: argparse.Namespace) -> None:
+    from grpo.launch.runner import run_sft
+
+    cfg = _config(a)
+    _preflight(cfg, train=False)
+    out = run_sft(cfg, force=a.force)
+    print(f"SFT reference: {out}")
+    summary = out / "sft_summary.json"
+    if summary.exists():
+        s = json.loads(summary.read_text())
+        print(f"best validation loss {s['best_val_loss']:.4f} after {s['steps']} steps")
+
+
+def cmd_train(a: argparse.Namespace) -> None:
+    from grpo.launch.runner import run_grpo, run_sft
+
+    cfg = _config(a)
+    _preflight(cfg, model_dirs=(a.policy,))
+    # run_sft reuses a cached reference, and returns model.path itself when SFT is off
+    policy = Path(a.policy) if a.policy else run_sft(cfg)
+    out = Path(a.out) if a.out else cfg.run_dir() / "grpo"
+    summary = run_grpo(cfg, policy, out, resume=a.resume)
+    final = summary["final"]
+    print(f"\nGRPO done in {summary['seconds']:.0f}s: {out / 'policy'}")
+    keys = ("reward", "rewards/accuracy/mean", "kl", "completions/mean_length", "step_time")
+    for k in keys:
+        if k in final:
+            print(f"  {k:28s} {final[k]:.4f}")
+
+
+def cmd_evaluate(a: argparse.Namespace) -> None:
+    from grpo.eval.metrics import markdown_table
+    from grpo.eval.run import evaluate_model
+
+    cfg = _config(a)
+    model = a.model
+    if model.startswith("models:/"):
+        from tasks.registry import download_model
+
+        model = str(download_model(model, cfg))
+    sets = a.sets.split(",") if a.sets else cfg.eval.sets
+    _preflight(cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"sets": sets})}),
+               model_dirs=(model, a.baseline), train=False)  # fmt: skip
+    out = a.out or str(cfg.run_dir() / "eval" / Path(model).name)
+    samples = a.samples or cfg.eval.samples
+    report = evaluate_model(cfg, model, sets, out, samples=samples, limit=a.limit)
+    print(markdown_table(report))
+    print(f"report: {out}/report.json  samples: {out}/samples.jsonl")
+    if a.baseline:
+        from grpo.eval.metrics import paired_difference
+
+        base_out = f"{out}_baseline"
+        evaluate_model(cfg, a.baseline, sets, base_out, samples=samples, limit=a.limit)
+        mine = [json.loads(x) for x in Path(out, "samples.jsonl").open()]
+        theirs = [json.loads(x) for x in Path(base_out, "samples.jsonl").open()]
+        print(f"\n{model} - {a.baseline} (same problems and samples, paired 95% CI):")
+        for s in sets:
+            d = paired_difference(
+                [r for r in theirs if r["set"] == s], [r for r in mine if r["set"] == s]
+            )
+            print(f"  {s:16s} {d['diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]")
+    if os.environ.get("MLFLOW_RUN_ID"):  # inside an active MLflow run: log there too
+        from tasks.tracking import log_evaluation
+
+        log_evaluation(cfg, os.environ["MLFLOW_RUN_ID"], report, Path(out))
+
+
+def cmd_pipeline(a: argparse.Namespace) -> None:
+    from flows.pipeline import PipelineParams, grpo_pipeline
+
+    _preflight(_config(a), tracking=True)
+    grpo_pipeline(PipelineParams(config=a.config, overrides=list(a.set or [])))
+
+
+def cmd_promote(a: argparse.Namespace) -> None:
+    from tasks.registry import promote
+
+    cfg = _config(a)
+    promote(cfg, a.version, alias=a.alias)
+    print(f"{cfg.tracking.registered_model} version {a.version} is now @{a.alias}")
+
+
+def cmd_serve(a: argparse.Namespace) -> None:
+    from flows.serve import serve
+
+    serve(a.config, prefect_port=a.prefect_port, mlflow_port=a.mlflow_port)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="grpo", description=__doc__)
+    p.add_argument("--debug", action="store_true", help="tracebacks instead of one-line errors")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def add(name: str, fn, help_: str) -> argparse.ArgumentParser:  # noqa: ANN001
+        sp = sub.add_parser(name, help=help_)
+        sp.add_argument(
+            "--config", help="YAML config (default: the embedded default run, configs/tiny.yaml)"
+        )
+        sp.add_argument("--set", action="append", metavar="KEY=VALUE", help="config override")
+        sp.set_defaults(fn=fn)
+        return sp
+
+    s = add("sft", cmd_sft, "build the SFT reference policy")
+    s.add_argument("--force", action="store_true", help="rebuild even if cached")
+    t = add("train", cmd_train, "GRPO training (DeepSpeed)")
+    t.add_argument("--nproc", type=int, help="ranks on this node (GPUs or CPU processes)")
+    t.add_argument("--hostfile", help="DeepSpeed hostfile for several nodes")
+    t.add_argument("--policy", help="start from this model directory instead of the SFT ref")
+    t.add_argument("--out", help="run directory (default runs/<run_name>/grpo)")
+    t.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    e = add("evaluate", cmd_evaluate, "evaluate a model on held-out sets")
+    e.add_argument("--model", required=True, help="model directory or models:/NAME@ALIAS")
+    e.add_argument("--sets", help="comma-separated: synthetic,synthetic_ood,gsm8k,math500,PATH")
+    e.add_argument("--samples", type=int)
+    e.add_argument("--limit", type=int)
+    e.add_argument("--out")
+    e.add_argument("--baseline", help="second model evaluated on the same problems and samples")
+    add("pipeline", cmd_pipeline, "the whole Prefect pipeline")
+    pr = add("promote", cmd_promote, "point an alias (default champion) at a model version")
+    pr.add_argument("--version", required=True)
+    pr.add_argument("--alias", default="champion")
+    sv = add("serve", cmd_serve, "local Prefect + MLflow servers, deployment and worker")
+    sv.add_argument("--prefect-port", type=int, default=4200)
+    sv.add_argument("--mlflow-port", type=int, default=5000)
+    a = p.parse_args(argv)
+    if a.debug:
+        os.environ["GRPO_DEBUG"] = "1"  # ranks print their tracebacks too
+        a.fn(a)
+        return
+    try:
+        a.fn(a)
+    except _user_errors() as e:
+        print(f"error: {_one_line(e)}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Failures a user can act on: one line each, no traceback (--debug shows it)."""
+    from grpo.config import ConfigError
+    from grpo.data.files import DataError
+    from grpo.launch.preflight import PreflightError
+    from grpo.launch.runner import StageError
+    from grpo.models.loading import ModelDirError
+    from grpo.models.prompts import PromptLengthError
+    from reward_fns import RewardFunctionError
+    from tasks.tracking import TrackingUnreachable
+    from tasks.validation import DataValidationError
+
+    return (ConfigError, DataError, ModelDirError, StageError, PreflightError,
+            RewardFunctionError, TrackingUnreachable, DataValidationError, PromptLengthError,
+            OSError)  # fmt: skip
+
+
+def _one_line(e: BaseException) -> str:
+    """The message, and the file an OSError is about."""
+    if isinstance(e, OSError) and e.filename:
+        return f"{e.filename}: {e.strerror or e}"
+    return str(e)
+
+
+if __name__ == "__main__":
+    main()

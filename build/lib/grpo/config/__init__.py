@@ -1,0 +1,153 @@
+"""The one typed config: every stage, the DeepSpeed JSON and the MLflow params derive from it.
+
+The defaults are the embedded default run (`make run`): configs/tiny.yaml is empty, and a YAML
+file holds only what differs from these defaults. Loaded with `--set section.key=value`
+overrides; unknown keys and impossible values are refused with a message naming the field. The
+names of loss types, advantage modes and reward functions come from their registries
+(grpo.algo, reward_fns.registry), never from a list written here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import ValidationError, model_validator
+
+from grpo.config.algorithm import GRPOConfig
+from grpo.config.base import Strict
+from grpo.config.sections import (
+    DataConfig,
+    DeepSpeedConfig,
+    EvalConfig,
+    ModelConfig,
+    SFTConfig,
+    TinyModelConfig,
+    TrackingConfig,
+)
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "DeepSpeedConfig",
+    "EvalConfig",
+    "GRPOConfig",
+    "ModelConfig",
+    "SFTConfig",
+    "TinyModelConfig",
+    "TrackingConfig",
+    "apply_overrides",
+    "load_config",
+]
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the field."""
+
+
+class Config(Strict):
+    run_name: str = "tiny"
+    seed: int = 0
+    output_dir: str = "runs"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    sft: SFTConfig = SFTConfig()
+    grpo: GRPOConfig = GRPOConfig()
+    deepspeed: DeepSpeedConfig = DeepSpeedConfig()
+    eval: EvalConfig = EvalConfig()
+    tracking: TrackingConfig = TrackingConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> Config:
+        world = self.deepspeed.nproc
+        if self.grpo.prompts_per_step % world:
+            raise ValueError(
+                f"grpo.prompts_per_step ({self.grpo.prompts_per_step}) must be divisible by "
+                f"deepspeed.nproc ({world})"
+            )
+        if not self.sft.enabled and not self.model.path:
+            raise ValueError("sft.enabled=false needs model.path (a reference to start from)")
+        return self
+
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.run_name
+
+    def digest(self, *sections: str) -> str:
+        """Stable hash of the named sections (all when none): cache keys, run tags."""
+        dump = self.model_dump(mode="json")
+        part = {k: dump[k] for k in sections} if sections else dump
+        return hashlib.sha256(json.dumps(part, sort_keys=True).encode()).hexdigest()[:16]
+
+    def flat(self) -> dict[str, Any]:
+        """Dotted key -> value, for MLflow params."""
+        out: dict[str, Any] = {}
+
+        def walk(prefix: str, node: Any) -> None:
+            if isinstance(node, dict):
+                for k, v in node.items():
+                    walk(f"{prefix}.{k}" if prefix else k, v)
+            else:
+                out[prefix] = node
+
+        walk("", self.model_dump(mode="json"))
+        return out
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"].replace("Value error, ", "")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        lines.append(f"  {loc}: {msg}")
+    return "\n".join(lines)
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b=c` overrides; values are parsed as YAML (numbers, bools, lists)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected key=value")
+        key, _, raw = item.partition("=")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--set {key}: cannot parse value {raw!r}: {e}") from e
+        node = data
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            child = node.setdefault(p, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {key}: {p!r} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a YAML config (or the defaults), apply overrides, validate."""
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        source = str(path)
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: not valid YAML: {e}") from e
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: expected a mapping at the top level")
+        data = loaded or {}
+    data = apply_overrides(data, overrides or [])
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, source)) from None

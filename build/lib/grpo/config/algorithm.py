@@ -1,0 +1,128 @@
+"""The GRPO stage's settings. Names of loss types, advantage modes and reward functions are
+checked against their registries (grpo.algo, reward_fns.registry), never against a list here."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from grpo.config.base import Strict, one_of
+
+
+class GRPOConfig(Strict):
+    steps: int = Field(300, gt=0)
+    prompts_per_step: int = Field(32, gt=0, description="global, across ranks")
+    num_generations: int = Field(8, ge=2, description="G, completions per prompt")
+    max_completion_length: int = Field(48, gt=0)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, description="0 disables top-k")
+    lr: float = Field(3e-4, gt=0)
+    warmup_steps: int = Field(10, ge=0)
+    lr_schedule: Literal["constant", "cosine", "linear"] = "cosine"
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    beta: float = Field(0.0, ge=0, description="KL weight; 0 never loads the reference")
+    eps_low: float = Field(0.2, gt=0, lt=1, description="clip range below 1")
+    eps_high: float = Field(0.28, gt=0, description="clip range above 1 (clip-higher, DAPO)")
+    loss_type: str = Field("dapo", description="a name in grpo.algo.loss.LOSS_AGGREGATIONS")
+    importance_level: str = Field("token", description="token, or sequence (GSPO)")
+    advantage_mode: str = Field(
+        "zscore", description="a name in grpo.algo.advantages.ADVANTAGE_ESTIMATORS, or process"
+    )
+    process_reward: str = Field(
+        "arithmetic_steps", description="step-level reward for advantage_mode 'process'"
+    )
+    mu: int = Field(1, ge=1, description="policy updates per rollout batch")
+    micro_batch_size: int = Field(
+        256, gt=0, description="completions per forward/backward (256: one per step on CPU)"
+    )
+    skip_zero_advantage: bool = Field(
+        True,
+        description="beta 0 + dapo: no forward/backward for completions with zero advantage "
+        "(their gradient is exactly zero); False trains on them as TRL does",
+    )
+    mask_truncated_completions: bool = Field(
+        False,
+        description="completions without EOS within max_completion_length add no loss and no "
+        "tokens to the normaliser (DAPO overlong filtering)",
+    )
+    max_prompt_length: int = Field(
+        512,
+        gt=0,
+        description="prompt tokens (chat template included); longer prompts are "
+        "refused by data validation",
+    )
+    dynamic_sampling: bool = Field(False, description="drop zero-std groups and sample again")
+    max_sampling_rounds: int = Field(3, ge=1)
+    reward_funcs: list[str] = Field(
+        ["accuracy", "format"], description="registered names or 'package.module:function'"
+    )
+    reward_weights: list[float] = [1.0, 0.1]
+    overlong_cache: int = Field(0, ge=0, description="soft_overlong: length of the penalty ramp")
+    reward_timeout_s: float = Field(
+        60.0, gt=0, description="time limit per call of a user reward function"
+    )
+    checkpoint_every: int = Field(50, gt=0)
+    keep_checkpoints: int = Field(2, ge=1)
+    log_completions_every: int = Field(25, gt=0)
+    eval_every: int = Field(50, ge=0, description="greedy held-out accuracy every K steps; 0 off")
+    eval_limit: int = Field(300, gt=0, description="held-out problems for the in-run curve")
+    on_nonfinite: Literal["skip", "stop"] = "skip"
+
+    @property
+    def uses_reference(self) -> bool:
+        """The one decision whether a frozen reference model is loaded: only for a KL term."""
+        return self.beta > 0
+
+    @field_validator("loss_type")
+    @classmethod
+    def _loss_type(cls, v: str) -> str:
+        from grpo.algo.loss import LOSS_AGGREGATIONS
+
+        return one_of("loss_type", v, tuple(LOSS_AGGREGATIONS))
+
+    @field_validator("importance_level")
+    @classmethod
+    def _importance_level(cls, v: str) -> str:
+        from grpo.algo.loss import IMPORTANCE_LEVELS
+
+        return one_of("importance_level", v, IMPORTANCE_LEVELS)
+
+    @field_validator("advantage_mode")
+    @classmethod
+    def _advantage_mode(cls, v: str) -> str:
+        from grpo.algo.advantages import advantage_modes
+
+        return one_of("advantage_mode", v, advantage_modes())
+
+    @field_validator("process_reward")
+    @classmethod
+    def _process_reward(cls, v: str) -> str:
+        from reward_fns import PROCESS_REWARDS
+
+        return one_of("process_reward", v, list(PROCESS_REWARDS))
+
+    @field_validator("reward_funcs")
+    @classmethod
+    def _reward_funcs(cls, v: list[str]) -> list[str]:
+        from reward_fns import REWARD_FUNCS
+
+        for name in v:
+            if ":" not in name:  # import paths are resolved (and checked) when training starts
+                one_of("reward function", name, sorted(REWARD_FUNCS))
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> GRPOConfig:
+        if len(self.reward_weights) != len(self.reward_funcs):
+            raise ValueError(
+                f"reward_weights has {len(self.reward_weights)} entries for "
+                f"{len(self.reward_funcs)} reward_funcs"
+            )
+        if "soft_overlong" in self.reward_funcs and not (
+            0 < self.overlong_cache <= self.max_completion_length
+        ):
+            raise ValueError("soft_overlong needs 0 < overlong_cache <= max_completion_length")
+        return self

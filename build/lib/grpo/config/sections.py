@@ -1,0 +1,111 @@
+"""The config sections other than GRPO's: model, data, SFT, DeepSpeed, evaluation, tracking."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from grpo.config.base import Strict
+
+
+class TinyModelConfig(Strict):
+    """The embedded default model, built locally (no hub): a small Qwen2."""
+
+    hidden_size: int = Field(128, gt=0, description="width of the transformer")
+    num_layers: int = Field(4, gt=0)
+    num_heads: int = Field(4, gt=0)
+    num_kv_heads: int = Field(2, gt=0)
+    intermediate_size: int = Field(384, gt=0)
+    max_position_embeddings: int = Field(256, gt=0)
+
+
+class ModelConfig(Strict):
+    path: str | None = Field(
+        None, description="local Hugging Face model directory; None builds the tiny model"
+    )
+    tiny: TinyModelConfig = TinyModelConfig()
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    chat_template: bool = Field(False, description="wrap prompts in the tokenizer's chat template")
+    system_prompt: str | None = None
+    generation_engine: Literal["auto", "fast", "hf"] = Field(
+        "auto",
+        description="rollouts and evaluation: grpo.models.sampler (fast, Qwen2/Llama family), "
+        "transformers generate (hf), or fast for a supported architecture on the CPU (auto)",
+    )
+
+
+class DataConfig(Strict):
+    task: Literal["synthetic", "files"] = Field(
+        "synthetic", description="synthetic arithmetic (embedded default) or your own files"
+    )
+    seed: int = 1234
+    num_sft: int = Field(400, ge=8, description="worked solutions for SFT (synthetic)")
+    num_sft_val: int = Field(200, ge=8, description="held-back worked solutions, SFT early stop")
+    num_train: int = Field(4000, ge=1, description="answer-only RL prompts (synthetic)")
+    num_heldout: int = Field(1000, ge=1, description="in-distribution held-out (synthetic)")
+    num_heldout_ood: int = Field(500, ge=1, description="harder held-out (synthetic)")
+    min_digits: int = Field(1, ge=1)
+    max_digits: int = Field(3, ge=1)
+    ood_digits: int = Field(4, ge=1, description="digits of the out-of-distribution set")
+    sft_path: str | None = Field(None, description="JSONL/Parquet of worked solutions (files)")
+    train_path: str | None = Field(None, description="JSONL/Parquet of RL prompts (files)")
+    prompt_column: str = "prompt"
+    answer_column: str = "answer"
+    solution_column: str = "solution"
+    gsm8k_solutions: bool = Field(
+        False, description="files: GSM8K rows ('question', 'answer' with '#### x')"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> DataConfig:
+        if self.min_digits > self.max_digits:
+            raise ValueError("min_digits must be <= max_digits")
+        if self.ood_digits <= self.max_digits:
+            raise ValueError("ood_digits must exceed max_digits (the OOD set is harder)")
+        if self.task == "files" and not self.train_path:
+            raise ValueError("train_path is required when task is 'files'")
+        return self
+
+
+class SFTConfig(Strict):
+    enabled: bool = Field(True, description="False: use model.path as the reference as is")
+    lr: float = Field(3e-3, gt=0)
+    batch_size: int = Field(32, gt=0)
+    max_epochs: int = Field(
+        80, gt=0, description="cosine decay over this budget; early stopping usually ends it first"
+    )
+    eval_every: int = Field(25, gt=0, description="steps between validation losses")
+    patience: int = Field(
+        8, ge=1, description="validations without a better loss before stopping (best is kept)"
+    )
+    warmup_steps: int = Field(20, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping of SFT steps")
+
+
+class DeepSpeedConfig(Strict):
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    offload_optimizer: bool = False
+    nproc: int = Field(1, ge=1, description="ranks on this node (GPUs, or CPU processes)")
+    hostfile: str | None = Field(None, description="DeepSpeed hostfile for several nodes")
+    master_port: int = Field(29511, gt=1024, lt=65536)
+    timeout_s: int = Field(600, gt=0, description="collective timeout: a dead rank fails others")
+
+
+class EvalConfig(Strict):
+    sets: list[str] = ["synthetic", "synthetic_ood"]
+    samples: int = Field(1, ge=1, description="n samples per problem (pass@k, maj@k)")
+    temperature: float = Field(1.0, gt=0)
+    limit: int | None = Field(None, gt=0)
+    batch_size: int = Field(256, gt=0)
+    max_new_tokens: int | None = Field(None, gt=0, description="None: max_completion_length")
+    few_shot: int = Field(0, ge=0, description="worked SFT examples placed before each prompt")
+
+
+class TrackingConfig(Strict):
+    tracking_uri: str | None = Field(None, description="None: sqlite mlflow.db in the project")
+    experiment: str = "grpo-tiny"
+    registered_model: str = "grpo-tiny-math"
+    promotion_metric: str = "eval/synthetic/accuracy"
+    promotion_margin: float = 0.0

@@ -1,0 +1,84 @@
+"""The datasets of a config: training sets (synthetic, or your files) and held-out sets by name.
+
+Held-out sets are named (synthetic, synthetic_ood, gsm8k, math500) or given by path with a
+column mapping ("path.jsonl:prompt=question,answer=final").
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from grpo.config import Config
+from grpo.data.files import DataError, gsm8k_rows, math500_rows, normalize, read_rows
+
+EVAL_SETS = ("synthetic", "synthetic_ood", "gsm8k", "math500")
+
+
+def data_dir() -> Path:
+    """Where the named sets gsm8k and math500 are read: $GRPO_DATA_DIR, else the data/ folder of
+    the source tree (a clone or an editable install; a wheel does not ship the data)."""
+    env = os.environ.get("GRPO_DATA_DIR")
+    path = Path(env) if env else Path(__file__).resolve().parents[2] / "data"
+    if not path.is_dir():
+        raise DataError(
+            f"{path}: data folder not found; the named sets gsm8k and math500 read it. Set "
+            "GRPO_DATA_DIR to a copy of the project's data/ folder, or give a file path"
+        )
+    return path
+
+
+def training_sets(cfg: Config) -> dict[str, list[dict[str, Any]]]:
+    """sft, sft_val and train rows for the configured task."""
+    d = cfg.data
+    if d.task == "synthetic":
+        from grpo.data.synthetic import make_sets
+
+        sets = make_sets(d)
+        return {k: sets[k] for k in ("sft", "sft_val", "train")}
+    train = _load_file(d.train_path, cfg, solution=False)
+    out = {"train": train}
+    if d.sft_path:
+        sft = _load_file(d.sft_path, cfg, solution=True)
+        cut = max(1, len(sft) // 10)  # hold back 10% of worked solutions for early stopping
+        out["sft"], out["sft_val"] = sft[cut:], sft[:cut]
+    return out
+
+
+def _load_file(path: str | None, cfg: Config, solution: bool) -> list[dict[str, Any]]:
+    assert path is not None
+    if cfg.data.gsm8k_solutions:
+        return gsm8k_rows(path, with_solution=solution)
+    return normalize(
+        read_rows(path),
+        path,
+        prompt=cfg.data.prompt_column,
+        answer=cfg.data.answer_column,
+        solution=cfg.data.solution_column if solution else None,
+    )
+
+
+def eval_set(name: str, cfg: Config) -> list[dict[str, Any]]:
+    """A held-out set by name, or 'path[:prompt=col,answer=col,id=col]'."""
+    if name in ("synthetic", "synthetic_ood"):
+        from grpo.data.synthetic import make_sets
+
+        sets = make_sets(cfg.data)
+        return sets["heldout" if name == "synthetic" else "heldout_ood"]
+    if name == "gsm8k":
+        return gsm8k_rows(data_dir() / "gsm8k" / "test.jsonl")
+    if name == "math500":
+        return math500_rows(data_dir() / "math500" / "test.jsonl")
+    path, _, mapping = name.partition(":")
+    if not Path(path).suffix:
+        raise DataError(f"unknown eval set {name!r}; use one of {EVAL_SETS} or a file path")
+    cols = {"prompt": "prompt", "answer": "answer", "id": "id"}
+    for item in filter(None, mapping.split(",")):
+        key, _, col = item.partition("=")
+        if key not in cols or not col:
+            raise DataError(f"{name}: bad column mapping {item!r}; use prompt=,answer=,id=")
+        cols[key] = col
+    return normalize(
+        read_rows(path), path, prompt=cols["prompt"], answer=cols["answer"], id_column=cols["id"]
+    )

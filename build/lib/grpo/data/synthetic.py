@@ -1,0 +1,77 @@
+"""The embedded synthetic task: multi-digit addition with worked, digit-by-digit solutions.
+
+Why this task: a character-level model can learn it from a few hundred worked solutions only
+partly (carries are where it slips), so the SFT reference samples right answers some of the time
+and GRPO has within-group disagreement to learn from, on thousands of answer-only prompts.
+
+Sets (disjoint by construction: every (a, b) pair is drawn once from one RNG):
+sft (worked solutions), sft_val (early stopping), train (answer-only RL prompts),
+heldout (same digit range) and heldout_ood (more digits: harder, never trained on).
+"""
+
+from __future__ import annotations
+
+import random
+
+from grpo.config import DataConfig
+
+
+def worked_solution(a: int, b: int) -> str:
+    """Column addition from the units up, as the model is taught to write it.
+
+    >>> worked_solution(47, 85)
+    '<think>7+5=12 4+8+1=13 1</think><answer>132</answer>'
+    """
+    da, db = str(a)[::-1], str(b)[::-1]
+    steps, carry = [], 0
+    for i in range(max(len(da), len(db))):
+        x = int(da[i]) if i < len(da) else 0
+        y = int(db[i]) if i < len(db) else 0
+        s = x + y + carry
+        steps.append(f"{x}+{y}+{carry}={s}" if carry else f"{x}+{y}={s}")
+        carry = s // 10
+    if carry:
+        steps.append("1")
+    return f"<think>{' '.join(steps)}</think><answer>{a + b}</answer>"
+
+
+def _number(rng: random.Random, digits: int) -> int:
+    return rng.randint(10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1)
+
+
+def make_sets(cfg: DataConfig) -> dict[str, list[dict]]:
+    """All synthetic sets as lists of {id, prompt, answer, solution, digits} rows."""
+    rng = random.Random(cfg.seed)
+    seen: set[tuple[int, int]] = set()
+
+    def draw(n: int, lo: int, hi: int, name: str) -> list[dict]:
+        rows = []
+        while len(rows) < n:
+            da, db = rng.randint(lo, hi), rng.randint(lo, hi)
+            a, b = _number(rng, da), _number(rng, db)
+            if (a, b) in seen or (b, a) in seen:
+                continue  # each pair (either order) belongs to exactly one set
+            seen.add((a, b))
+            rows.append(
+                {
+                    "id": f"{name}-{len(rows):06d}",
+                    "prompt": f"{a}+{b}=",
+                    "answer": str(a + b),
+                    "solution": worked_solution(a, b),
+                    "digits": max(da, db),
+                }
+            )
+        return rows
+
+    lo, hi = cfg.min_digits, cfg.max_digits
+    # held-out sets first, so that their contents do not depend on the training set sizes
+    sets = {
+        "heldout": draw(cfg.num_heldout, lo, hi, "heldout"),
+        "heldout_ood": draw(cfg.num_heldout_ood, cfg.ood_digits, cfg.ood_digits, "ood"),
+        "sft_val": draw(cfg.num_sft_val, lo, hi, "sftval"),
+        "sft": draw(cfg.num_sft, lo, hi, "sft"),
+        "train": draw(cfg.num_train, lo, hi, "train"),
+    }
+    for row in sets["train"]:
+        row.pop("solution")  # RL prompts carry answers only: GRPO's gain must come from RL
+    return sets

@@ -1,0 +1,72 @@
+"""Training checkpoints: DeepSpeed engine state plus our step and RNG states.
+
+Written atomically: DeepSpeed writes under a temporary tag, rank 0 renames it and then replaces
+the `latest` pointer, so a kill during the write leaves the previous checkpoint usable.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CLIENT_KEYS = ("step", "rng")  # the training order is a function of the step alone
+
+
+def rng_state() -> dict[str, Any]:
+    return {"python": random.getstate(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+
+
+def latest_tag(root: Path) -> str | None:
+    p = root / "latest"
+    if not p.exists():
+        return None
+    tag = p.read_text().strip()
+    return tag if (root / tag).is_dir() else None
+
+
+def save(engine: Any, root: Path, step: int, client: dict[str, Any], rank: int, keep: int) -> str:
+    import torch.distributed as dist
+
+    tag = f"step{step:07d}"
+    tmp = f"{tag}.tmp"
+    if rank == 0 and (root / tmp).exists():
+        shutil.rmtree(root / tmp)
+    dist.barrier()
+    engine.save_checkpoint(str(root), tag=tmp, client_state=client, save_latest=False)
+    dist.barrier()
+    if rank == 0:
+        if (root / tag).exists():
+            shutil.rmtree(root / tag)
+        os.replace(root / tmp, root / tag)
+        pointer = root / "latest.tmp"
+        pointer.write_text(tag)
+        os.replace(pointer, root / "latest")
+        done = sorted(p for p in root.glob("step*") if p.is_dir() and not p.name.endswith(".tmp"))
+        for old in done[:-keep]:
+            shutil.rmtree(old)
+    dist.barrier()
+    return tag
+
+
+def load(engine: Any, root: Path) -> dict[str, Any] | None:
+    """Restore the latest checkpoint into the engine; returns its client state, or None."""
+    tag = latest_tag(root)
+    if tag is None:
+        return None
+    path, client = engine.load_checkpoint(
+        str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+    )
+    if path is None:
+        raise RuntimeError(f"{root / tag}: checkpoint could not be loaded")
+    # DeepSpeed returns its own bookkeeping too; hand back only what we stored
+    return {k: client[k] for k in CLIENT_KEYS if k in client}

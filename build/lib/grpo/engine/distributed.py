@@ -1,0 +1,54 @@
+"""The process group and the collectives the algorithm needs.
+
+The same code runs as one process (no launcher: we set the env a launcher would) and as N ranks
+started by `deepspeed` (GPUs, or CPU processes on a machine without one).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from datetime import timedelta
+
+import torch
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(timeout_s: int) -> tuple[int, int]:
+    """Start (or join) the process group; returns (rank, world_size)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    init_method = None
+    if "RANK" not in os.environ:  # a single process started without a launcher
+        os.environ.update(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+        )  # fmt: skip
+        # a file rendezvous: no TCP port that a neighbouring process could take first
+        fd, store = tempfile.mkstemp(prefix="grpo-dist-")
+        os.close(fd)
+        os.remove(store)
+        init_method = f"file://{store}"
+    if not dist.is_initialized():
+        deepspeed.init_distributed(
+            timeout=timedelta(seconds=timeout_s), init_method=init_method, rank=0 if init_method
+            else -1, world_size=1 if init_method else -1,
+        )  # fmt: skip
+    return dist.get_rank(), dist.get_world_size()
+
+
+def all_reduce_sum(values: list[float], device: torch.device, op: str = "sum") -> list[float]:
+    """Element-wise sum (or "max") of a list of floats over all ranks."""
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return t.tolist()

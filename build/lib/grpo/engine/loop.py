@@ -1,0 +1,158 @@
+"""The GRPO training loop, top to bottom: sample -> score -> advantages -> update -> log.
+
+Same code on one CPU process, N CPU ranks, or GPUs across nodes (DeepSpeed). Each rank samples
+its share of prompts (whole groups stay on one rank, so advantages need no communication); the
+only collective of the algorithm is the global active-token count for loss_type "dapo".
+Departure from TRL: pi_old's log-probs come from the sampling pass itself
+(grpo.models.generate), so mu > 1 costs no extra forward; with mu = 1, pi_old = pi_theta.detach()
+exactly. docs/ALGORITHM.md has the formulas and what every logged metric means.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from grpo.config import Config
+from grpo.data.sets import eval_set, training_sets
+from grpo.engine.deepspeed_setup import build_engine, gathered, save_policy
+from grpo.engine.distributed import all_reduce_sum, init_distributed
+from grpo.engine.reference import Reference
+from grpo.engine.rollout_metrics import rollout_metrics
+from grpo.engine.run_files import RunFiles
+from grpo.engine.sampling import keep_groups, sample_step
+from grpo.engine.schedules import lr_lambda
+from grpo.engine.scoring import RewardScorer, token_advantages
+from grpo.engine.update import PolicyUpdate
+from grpo.eval.run import generate_for_rows
+from grpo.models.generate import resolve_engine
+from grpo.models.loading import device_for, eos_token_ids, load_model, load_tokenizer
+from grpo.progress import progress_bar
+
+
+class Trainer:
+    """Holds what lives across steps; `train()` is the loop."""
+
+    def __init__(self, cfg: Config, policy_dir: str | Path, out_dir: str | Path) -> None:
+        self.cfg, g = cfg, cfg.grpo
+        self.rank, self.world = init_distributed(cfg.deepspeed.timeout_s)
+        self.device = device_for(cfg)
+        self.out = Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(cfg.seed)
+        self.tok = load_tokenizer(policy_dir)
+        self.local_prompts = g.prompts_per_step // self.world
+        local_batch = self.local_prompts * g.num_generations
+        micro = min(g.micro_batch_size, local_batch)
+        n_micro = math.ceil(local_batch / micro)
+        model = load_model(policy_dir, cfg.model.dtype).to(self.device)
+        self.eos_ids = eos_token_ids(self.tok, model)
+        self.engine, ds_config = build_engine(
+            model, cfg, micro_batch=micro, grad_accum=n_micro, lr=g.lr,
+            weight_decay=g.weight_decay, max_grad_norm=g.max_grad_norm,
+            lr_fn=lr_lambda(g.warmup_steps, g.steps * g.mu, g.lr_schedule),
+        )  # fmt: skip
+        self.policy_update = PolicyUpdate(
+            self.engine, g, micro=micro, n_micro=n_micro, world=self.world,
+            zero_stage=cfg.deepspeed.zero_stage, device=self.device,
+        )  # fmt: skip
+        # beta = 0: no KL term, and the reference is never loaded
+        self.reference = Reference(cfg, policy_dir, self.device) if g.uses_reference else None
+        self.micro = micro
+        self.scorer = RewardScorer(g)
+        self.train_rows = training_sets(cfg)["train"]
+        self.eval_rows: list[dict] = []
+        if g.eval_every and cfg.eval.sets:
+            limit = g.eval_limit - g.eval_limit % self.world
+            self.eval_rows = eval_set(cfg.eval.sets[0], cfg)[:limit]
+        self.files = RunFiles(self.out, self.rank, g.keep_checkpoints)
+        if self.rank == 0:
+            (self.out / "deepspeed_config.json").write_text(json.dumps(ds_config, indent=2))
+
+    def train(self, resume: bool = False, progress: bool = True) -> dict[str, Any]:
+        g = self.cfg.grpo
+        start = self.files.open(self.engine, resume)
+        bar = progress_bar(g.steps, "grpo", "step", enabled=progress and not self.rank,
+                           initial=start)  # fmt: skip
+        if start == 0 and self.eval_rows:
+            self.files.log_metrics({"step": 0, "eval/heldout_accuracy": self.heldout_accuracy()})
+        t_start, last = time.time(), {}
+        for step in range(start, g.steps):
+            m = self.step(step)
+            if g.eval_every and (step + 1) % g.eval_every == 0:
+                m["eval/heldout_accuracy"] = self.heldout_accuracy()
+            self.files.log_metrics(m)
+            if (step + 1) % g.checkpoint_every == 0 or step + 1 == g.steps:
+                self.files.save_checkpoint(self.engine, step + 1)
+            bar.update(1)
+            bar.set_postfix(reward=f"{m['reward']:.3f}", kl=f"{m.get('kl', 0):.4f}", refresh=False)
+            last = m
+        bar.close()
+        self.files.close()
+        save_policy(self.engine, self.tok, self.out / "policy", self.rank,
+                    self.cfg.deepspeed.zero_stage)  # fmt: skip
+        engine = resolve_engine(self.engine.module, self.cfg.model.generation_engine)
+        return {
+            "final": last, "seconds": time.time() - t_start, "start_step": start,
+            "generation_engine": engine,
+        }  # fmt: skip
+
+    def step(self, step: int) -> dict[str, float]:
+        """One GRPO step on this rank; returns its metrics (reduced over ranks)."""
+        g = self.cfg.grpo
+        t0 = time.time()
+        # 1. sample: G completions for each of this rank's prompts
+        ro, group_rows, texts = sample_step(
+            self.engine.module, self.tok, self.cfg, self.train_rows, step=step, rank=self.rank,
+            world=self.world, device=self.device, eos_ids=self.eos_ids,
+        )  # fmt: skip
+        t1 = time.time()
+        # 2. score every completion; dynamic sampling keeps informative groups first
+        rewards, per_fn = self.scorer(ro, group_rows, texts)
+        ro, rewards, per_fn, texts, rows = keep_groups(
+            ro, rewards, per_fn, texts, group_rows, self.local_prompts
+        )
+        # 3. advantages, one per completion token [N, C]
+        adv = token_advantages(g, ro, rewards, rows, texts, self.tok)
+        t2 = time.time()
+        ref_logps = self.reference.logps(ro, self.micro) if self.reference else None
+        t3 = time.time()
+        # 4. update: mu clipped policy-gradient passes
+        m = self.policy_update.update(ro, adv, ref_logps)
+        t4 = time.time()
+        # 5. log
+        m.update(rollout_metrics(ro, rewards, per_fn, self.device))
+        n_tok = all_reduce_sum([float(ro.completion_mask.sum())], self.device)[0]
+        m.update({
+            "step": step + 1, "time/sampling": t1 - t0, "time/scoring": t2 - t1,
+            "time/reference": t3 - t2, "time/training": t4 - t3, "step_time": t4 - t0,
+            "tokens_per_second": n_tok / max(t4 - t0, 1e-9),
+            "completions_per_second": len(texts) * self.world / max(t4 - t0, 1e-9),
+        })  # fmt: skip
+        if step % g.log_completions_every == 0:
+            self.files.log_completions(step + 1, rows, texts, rewards, ro.group_size)
+        return m
+
+    def heldout_accuracy(self) -> float:
+        """Greedy accuracy on the in-run held-out problems, sharded over ranks."""
+        if not self.eval_rows:
+            return float("nan")
+        shard = self.eval_rows[self.rank :: self.world]
+        with gathered(self.engine.module, self.cfg.deepspeed.zero_stage):
+            recs = generate_for_rows(
+                self.engine.module, self.tok, shard, self.cfg, self.device,
+                batch_size=self.cfg.eval.batch_size,
+            )  # fmt: skip
+        correct, n = all_reduce_sum([sum(r["correct"] for r in recs), len(recs)], self.device)
+        return correct / max(n, 1)
+
+
+def train_grpo(
+    cfg: Config, policy_dir: str | Path, out_dir: str | Path, resume: bool = False
+) -> dict[str, Any]:
+    return Trainer(cfg, policy_dir, out_dir).train(resume=resume)

@@ -1,0 +1,122 @@
+"""Step 1, sample: this rank's prompts of the step, G completions each, with pi_old's log-probs.
+
+With dynamic sampling (DAPO) more rounds of fresh prompts are sampled, and `select_groups` keeps
+the informative groups first (the batch size stays fixed). Whole groups stay on one rank, so
+advantages need no communication.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+from grpo.algo.advantages import zero_std_groups
+from grpo.config import Config
+from grpo.data.order import derived_seed, prompt_indices
+from grpo.engine.deepspeed_setup import gathered
+from grpo.models.generate import Rollout, generate
+from grpo.models.prompts import encode_prompts
+
+SAMPLING_ROUND = 1  # salt of the per-step RNG that draws extra prompts for dynamic sampling
+
+
+def sample_step(
+    policy: torch.nn.Module,
+    tok: Any,
+    cfg: Config,
+    train_rows: list[dict],
+    *,
+    step: int,
+    rank: int,
+    world: int,
+    device: torch.device,
+    eos_ids: list[int],
+) -> tuple[Rollout, list[dict], list[str]]:
+    """(rollout, the prompt row of each group, the completion texts) of one rank at one step."""
+    g = cfg.grpo
+    local = g.prompts_per_step // world
+    idx = prompt_indices(step, rank, local, world, len(train_rows), cfg.seed)
+    rows = [train_rows[i] for i in idx]
+    parts, kept_rows, texts = [], [], []
+    rng = random.Random(derived_seed(cfg.seed, step, rank, SAMPLING_ROUND))
+    for rnd in range(g.max_sampling_rounds if g.dynamic_sampling else 1):
+        # a seed per (step, rank, round): a resumed run samples exactly what it would have
+        torch.manual_seed(derived_seed(cfg.seed, step, rank, rnd))
+        ids, mask = encode_prompts(tok, [r["prompt"] for r in rows], cfg, device)
+        with gathered(policy, cfg.deepspeed.zero_stage):
+            ro = generate(
+                policy, ids, mask,
+                num_generations=g.num_generations, max_completion_length=g.max_completion_length,
+                eos_token_id=eos_ids, pad_token_id=tok.pad_token_id,
+                temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+                engine=cfg.model.generation_engine,
+            )  # fmt: skip
+        parts.append(ro)
+        kept_rows.extend(rows)
+        texts.extend(tok.batch_decode(ro.completion_ids, skip_special_tokens=True))
+        if not g.dynamic_sampling:
+            break
+        rows = rng.sample(train_rows, local)
+    return cat_rollouts(parts, tok.pad_token_id), kept_rows, texts
+
+
+def cat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
+    """Rollouts of several rounds as one, re-padded to the widest prompt and completion."""
+
+    def pad(ts: list[torch.Tensor], left: bool, value: float) -> torch.Tensor:
+        width = max(t.shape[1] for t in ts)
+        out = []
+        for t in ts:
+            extra = width - t.shape[1]
+            widths = (extra, 0) if left else (0, extra)
+            out.append(torch.nn.functional.pad(t, widths, value=value))
+        return torch.cat(out)
+
+    return Rollout(
+        pad([p.prompt_ids for p in parts], True, pad_id),
+        pad([p.prompt_mask for p in parts], True, 0),
+        pad([p.completion_ids for p in parts], False, pad_id),
+        pad([p.completion_mask for p in parts], False, 0),
+        torch.cat([p.truncated for p in parts]),
+        pad([p.sampling_logps for p in parts], False, 0.0),
+        parts[0].group_size,
+    )
+
+
+def keep_groups(
+    ro: Rollout,
+    rewards: torch.Tensor,
+    per_fn: dict[str, list],
+    texts: list[str],
+    group_rows: list[dict],
+    num_prompts: int,
+) -> tuple[Rollout, torch.Tensor, dict[str, list], list[str], list[dict]]:
+    """The step's batch of `num_prompts` groups (all of them without dynamic sampling), with
+    each completion's prompt row: (rollout, rewards, per-function scores, texts, rows)."""
+    G = ro.group_size
+    keep = torch.arange(ro.completion_ids.shape[0])
+    if ro.num_groups > num_prompts:
+        keep = select_groups(zero_std_groups(rewards, G), G, num_prompts)
+    idx = keep.tolist()
+    return (
+        ro.select(keep),
+        rewards[keep],
+        {k: [v[i] for i in idx] for k, v in per_fn.items()},
+        [texts[i] for i in idx],
+        [group_rows[i // G] for i in idx],
+    )
+
+
+def select_groups(flat_groups: torch.Tensor, group_size: int, keep: int) -> torch.Tensor:
+    """Row indices of `keep` groups: informative groups first, in order, then zero-std groups
+    (flat_groups [n_groups] True) to fill the fixed batch size when the rounds ran out.
+
+    >>> select_groups(torch.tensor([True, False, False]), 2, 2)
+    tensor([2, 3, 4, 5])
+    """
+    n_groups = flat_groups.numel()
+    order = [i for i in range(n_groups) if not flat_groups[i]]
+    order += [i for i in range(n_groups) if flat_groups[i]]
+    return torch.cat([torch.arange(i * group_size, (i + 1) * group_size) for i in order[:keep]])

@@ -1,0 +1,169 @@
+"""SFT build of the reference policy: worked solutions, loss on the completion tokens only.
+
+Trained until the validation loss on held-back worked solutions stops improving (patience), and
+the best checkpoint is kept: the reference is as good as its data allows, so that any later gain
+is GRPO's and not an undertrained starting point's. `max_seconds` without early stopping gives
+the control run: SFT simply continued for the GRPO stage's wall time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from grpo.config import Config
+from grpo.engine.deepspeed_setup import build_engine, save_policy
+from grpo.engine.distributed import all_reduce_sum, init_distributed
+from grpo.engine.schedules import lr_lambda, time_cosine
+from grpo.models.loading import device_for, load_model, load_tokenizer
+from grpo.models.prompts import render_prompt
+from grpo.progress import progress_bar
+
+
+def _encode(tokenizer: Any, rows: list[dict], cfg: Config) -> list[tuple[list[int], int]]:
+    """(prompt + solution + EOS token ids, prompt length) per row."""
+    out = []
+    for r in rows:
+        p = tokenizer(render_prompt(tokenizer, r["prompt"], cfg), add_special_tokens=False)
+        s = tokenizer(r["solution"], add_special_tokens=False)
+        out.append(
+            (p["input_ids"] + s["input_ids"] + [tokenizer.eos_token_id], len(p["input_ids"]))
+        )
+    return out
+
+
+def _collate(items: list[tuple[list[int], int]], pad: int, device: torch.device) -> dict:
+    width = max(len(ids) for ids, _ in items)
+    ids = torch.full((len(items), width), pad, dtype=torch.long)
+    labels = torch.full_like(ids, -100)
+    mask = torch.zeros_like(ids)
+    for i, (seq, plen) in enumerate(items):
+        ids[i, : len(seq)] = torch.tensor(seq)
+        mask[i, : len(seq)] = 1
+        labels[i, plen : len(seq)] = torch.tensor(seq[plen:])  # loss on the solution only
+    return {
+        "input_ids": ids.to(device),
+        "attention_mask": mask.to(device),
+        "labels": labels.to(device),
+    }
+
+
+def _token_loss(model: Any, batch: dict) -> tuple[torch.Tensor, int]:
+    """Sum of token cross-entropies and the number of target tokens."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    targets = batch["labels"][:, 1:]
+    loss = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+        targets.reshape(-1),
+        ignore_index=-100,
+        reduction="sum",
+    )
+    return loss, int((targets != -100).sum())
+
+
+@torch.no_grad()
+def _val_loss(engine: Any, data: list, pad: int, device: torch.device, bs: int) -> float:
+    engine.eval()
+    total, count = 0.0, 0
+    for s in range(0, len(data), bs):
+        loss, n = _token_loss(engine, _collate(data[s : s + bs], pad, device))
+        total, count = total + float(loss), count + n
+    engine.train()
+    total, count = all_reduce_sum([total, count], device)
+    return total / max(count, 1)
+
+
+def train_sft(
+    cfg: Config,
+    base_dir: str | Path,
+    out_dir: str | Path,
+    sets: dict[str, list[dict]],
+    *,
+    max_seconds: float | None = None,
+    early_stop: bool = True,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Fine-tune base_dir on sets['sft'], early-stopped on sets['sft_val']; save to out_dir."""
+    rank, world = init_distributed(cfg.deepspeed.timeout_s)
+    device = device_for(cfg)
+    torch.manual_seed(cfg.seed)
+    tok = load_tokenizer(base_dir)
+    model = load_model(base_dir, cfg.model.dtype).to(device)
+    s = cfg.sft
+    if s.batch_size % world:
+        raise ValueError(f"sft.batch_size ({s.batch_size}) must be divisible by {world} ranks")
+    train = _encode(tok, sets["sft"], cfg)
+    val = _encode(tok, sets["sft_val"], cfg)[rank::world]
+    steps_per_epoch = math.ceil(len(train) / s.batch_size)
+    total = steps_per_epoch * s.max_epochs
+    # cosine over the epoch budget; the control (max_seconds) anneals over its wall time instead
+    lr_fn = (
+        time_cosine(s.warmup_steps, max_seconds)
+        if max_seconds
+        else lr_lambda(s.warmup_steps, total, "cosine")
+    )
+    engine, _ = build_engine(
+        model, cfg, micro_batch=s.batch_size // world, grad_accum=1, lr=s.lr,
+        weight_decay=s.weight_decay, max_grad_norm=s.max_grad_norm, lr_fn=lr_fn,
+    )  # fmt: skip
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    log_path = out_dir.with_name(out_dir.name + "_metrics.jsonl")
+    log = log_path.open("w") if rank == 0 else None
+    best, bad, step, t0 = math.inf, 0, 0, time.time()
+    history: list[dict[str, float]] = []
+    rng = random.Random(cfg.seed)
+    bar = progress_bar(None if max_seconds else total, "sft", "step", enabled=progress and not rank)
+    stop = False
+    # a time-budgeted run (the control) trains until its time is up, whatever max_epochs says
+    epochs = itertools.count() if max_seconds is not None else range(s.max_epochs)
+    for _epoch in epochs:
+        order = list(range(len(train)))
+        rng.shuffle(order)
+        for b in range(steps_per_epoch):
+            idx = order[b * s.batch_size : (b + 1) * s.batch_size][rank::world]
+            batch = _collate([train[i] for i in idx], tok.pad_token_id, device)
+            loss_sum, n = _token_loss(engine, batch)
+            engine.backward(loss_sum / max(n, 1))
+            engine.step()
+            step += 1
+            bar.update(1)
+            elapsed = time.time() - t0
+            timed_out = max_seconds is not None and elapsed >= max_seconds
+            if step % s.eval_every == 0 or timed_out:
+                vl = _val_loss(engine, val, tok.pad_token_id, device, 256)
+                train_loss = float(loss_sum.detach()) / max(n, 1)
+                rec = {"step": step, "train_loss": train_loss, "val_loss": vl, "elapsed_s": elapsed}
+                history.append(rec)
+                if log:
+                    log.write(json.dumps(rec) + "\n")
+                    log.flush()
+                bar.set_postfix(val_loss=f"{vl:.4f}", best=f"{min(best, vl):.4f}", refresh=False)
+                if vl < best - 1e-4 or not early_stop:
+                    best, bad = min(best, vl), 0
+                    save_policy(engine, tok, out_dir, rank, cfg.deepspeed.zero_stage)
+                else:
+                    bad += 1
+                    stop = early_stop and bad >= s.patience
+            if stop or timed_out:
+                break
+        if stop or (max_seconds is not None and time.time() - t0 >= max_seconds):
+            break
+    bar.close()
+    if log:
+        log.close()
+    return {
+        "best_val_loss": best,
+        "steps": step,
+        "epochs": step / steps_per_epoch,
+        "early_stopped": stop,
+        "seconds": time.time() - t0,
+        "history": history,
+    }

@@ -1,0 +1,1 @@
+"""Evaluation: pure metrics (metrics) and runs that generate and score (run)."""

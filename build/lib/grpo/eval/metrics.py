@@ -1,0 +1,123 @@
+"""Evaluation metrics, pure: computed from per-sample records alone.
+
+Greedy pass@1 with a Wilson 95% interval; with n samples per problem also mean accuracy, maj@k
+and the unbiased pass@k estimator (Chen et al. 2021); mean completion length, truncation; and
+the paired difference of two models on the same problems.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any
+
+Z95 = 1.959963984540054
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k).
+
+    >>> round(pass_at_k(4, 1, 2), 4)
+    0.5
+    """
+    if k > n:
+        raise ValueError(f"k: {k} exceeds the number of samples {n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
+
+
+def majority_correct(answers: list[str], correct: list[bool]) -> bool:
+    """maj@k: is the most frequent extracted answer correct? Ties go to the first seen."""
+    if not answers:
+        return False
+    counts = Counter(answers)
+    top = max(counts.values())
+    winner = next(a for a in answers if counts[a] == top)
+    return correct[answers.index(winner)]
+
+
+def wilson_interval(successes: float, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval for a proportion."""
+    if n == 0:
+        return (0.0, 0.0)
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def summarize(records: list[dict[str, Any]]) -> dict[str, float]:
+    """Metrics recomputable from the per-sample records alone."""
+    by_id: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        by_id.setdefault(r["id"], []).append(r)
+    n_problems = len(by_id)
+    n = min(len(v) for v in by_id.values()) if by_id else 0
+    first = [v[0]["correct"] for v in by_id.values()]
+    acc = sum(first) / max(1, n_problems)
+    lo, hi = wilson_interval(sum(first), n_problems)
+    out = {
+        "accuracy": acc,
+        "accuracy_ci_low": lo,
+        "accuracy_ci_high": hi,
+        "num_problems": float(n_problems),
+        "samples": float(n),
+        "mean_length": sum(r["length"] for r in records) / max(1, len(records)),
+        "truncation_rate": sum(r["truncated"] for r in records) / max(1, len(records)),
+    }
+    if n > 1:
+        out["mean_accuracy"] = sum(r["correct"] for r in records) / len(records)
+        k = 1
+        while k <= n:
+            out[f"pass@{k}"] = (
+                sum(pass_at_k(n, sum(x["correct"] for x in v[:n]), k) for v in by_id.values())
+                / n_problems
+            )
+            out[f"maj@{k}"] = (
+                sum(
+                    majority_correct([x["extracted"] for x in v[:k]], [x["correct"] for x in v[:k]])
+                    for v in by_id.values()
+                )
+                / n_problems
+            )
+            k *= 2
+    return out
+
+
+def paired_difference(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str, float]:
+    """b - a accuracy on the same problems (first sample each), with a 95% normal interval."""
+    ca = {r["id"]: r["correct"] for r in a if r["sample"] == 0}
+    cb = {r["id"]: r["correct"] for r in b if r["sample"] == 0}
+    ids = sorted(set(ca) & set(cb))
+    d = [float(cb[i]) - float(ca[i]) for i in ids]
+    n = len(d)
+    mean = sum(d) / max(n, 1)
+    var = sum((x - mean) ** 2 for x in d) / max(n - 1, 1)
+    half = Z95 * math.sqrt(var / max(n, 1))
+    return {"diff": mean, "ci_low": mean - half, "ci_high": mean + half, "n": float(n)}
+
+
+def markdown_table(report: dict[str, Any]) -> str:
+    """One row per set: accuracy with its interval, and pass@k / maj@k when sampled."""
+    ks = sorted(
+        {k for m in report["sets"].values() for k in m if k.startswith(("pass@", "maj@"))},
+        key=lambda k: (k.split("@")[0], int(k.split("@")[1])),
+    )
+    head = ["set", "problems", "accuracy", "95% CI", *ks, "mean length", "truncated"]
+    lines = [
+        f"Model: `{report['model']}`",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    for name, m in report["sets"].items():
+        cells = [
+            name, str(int(m["num_problems"])), f"{m['accuracy']:.3f}",
+            f"[{m['accuracy_ci_low']:.3f}, {m['accuracy_ci_high']:.3f}]",
+            *(f"{m[k]:.3f}" if k in m else "" for k in ks),
+            f"{m['mean_length']:.1f}", f"{m['truncation_rate']:.3f}",
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

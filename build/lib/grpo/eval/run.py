@@ -1,0 +1,141 @@
+"""Held-out evaluation runs: generation in length-sorted batches, math-verify scoring, reports.
+
+The metrics themselves are pure functions in grpo.eval.metrics.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from grpo.config import Config
+from grpo.data.sets import eval_set
+from grpo.eval.metrics import markdown_table, summarize
+from grpo.models.generate import generate
+from grpo.models.loading import eos_token_ids
+from grpo.models.prompts import check_prompt_lengths, encode_prompts
+from grpo.progress import progress_bar
+from reward_fns import accuracy, extract_answer
+
+
+@torch.no_grad()
+def generate_for_rows(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    rows: list[dict[str, Any]],
+    cfg: Config,
+    device: torch.device,
+    *,
+    samples: int = 1,
+    temperature: float = 1.0,
+    batch_size: int = 256,
+    max_new_tokens: int | None = None,
+    seed: int = 0,
+    progress: bool = False,
+) -> list[dict[str, Any]]:
+    """One record per (row, sample): id, sample, prompt, completion, extracted, gold, correct."""
+    max_new = max_new_tokens or cfg.grpo.max_completion_length
+    eos_ids = eos_token_ids(tokenizer, model)
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]["prompt"]))
+    per_batch = max(1, batch_size // samples)
+    records: list[dict[str, Any]] = []
+    bar = progress_bar(len(rows), "evaluate", "problem", enabled=progress)
+    for b, start in enumerate(range(0, len(order), per_batch)):
+        idx = order[start : start + per_batch]
+        batch = [rows[i] for i in idx]
+        ids, mask = encode_prompts(tokenizer, [r["prompt"] for r in batch], cfg, device)
+        torch.manual_seed(seed * 1_000_003 + b)  # per-batch seed: same samples for any model
+        ro = generate(
+            model, ids, mask,
+            num_generations=samples, max_completion_length=max_new,
+            eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id,
+            temperature=temperature, do_sample=samples > 1, engine=cfg.model.generation_engine,
+        )  # fmt: skip
+        texts = tokenizer.batch_decode(ro.completion_ids, skip_special_tokens=True)
+        golds = [r["answer"] for r in batch for _ in range(samples)]
+        scores = accuracy(texts, golds)
+        for j, text in enumerate(texts):
+            row = batch[j // samples]
+            records.append(
+                {
+                    "id": row["id"],
+                    "sample": j % samples,
+                    "prompt": row["prompt"],
+                    "completion": text,
+                    "extracted": extract_answer(text),
+                    "gold": row["answer"],
+                    "correct": bool(scores[j]),
+                    "length": int(ro.completion_mask[j].sum()),
+                    "truncated": bool(ro.truncated[j]),
+                    **{k: row[k] for k in ("subject", "level") if k in row},
+                }
+            )
+        bar.update(len(batch))
+    bar.close()
+    return records
+
+
+def evaluate_model(
+    cfg: Config,
+    model_dir: str,
+    sets: list[str],
+    out_dir: str,
+    *,
+    samples: int = 1,
+    limit: int | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Evaluate a model directory on named sets; writes report.json, samples.jsonl, report.md."""
+    from grpo.models.loading import device_for, load_model, load_tokenizer
+
+    device = device_for(cfg)
+    tok = load_tokenizer(model_dir)
+    model = load_model(model_dir, cfg.model.dtype, trainable=False).to(device)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"model": str(model_dir), "sets": {}}
+    all_records = []
+    shots = few_shot_prefix(cfg)
+    for name in sets:
+        rows = eval_set(name, cfg)[:limit] if limit else eval_set(name, cfg)
+        check_prompt_lengths(tok, cfg, rows, name)
+        if shots:
+            rows = [{**r, "prompt": shots + r["prompt"]} for r in rows]
+        recs = generate_for_rows(
+            model, tok, rows, cfg, device, samples=samples, temperature=cfg.eval.temperature,
+            batch_size=cfg.eval.batch_size, max_new_tokens=cfg.eval.max_new_tokens,
+            seed=cfg.seed, progress=progress,
+        )  # fmt: skip
+        for r in recs:
+            r["set"] = name
+        report["sets"][name] = summarize(recs)
+        for key in ("subject", "level"):
+            groups = sorted({str(r[key]) for r in recs if key in r})
+            if groups:
+                report["sets"][name][f"by_{key}"] = {
+                    g: summarize([r for r in recs if str(r.get(key)) == g])["accuracy"]
+                    for g in groups
+                }
+        all_records += recs
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    with (out / "samples.jsonl").open("w") as f:
+        for r in all_records:
+            f.write(json.dumps(r) + "\n")
+    (out / "report.md").write_text(markdown_table(report))
+    return report
+
+
+def few_shot_prefix(cfg: Config) -> str:
+    """k worked examples from the SFT set, each prompt + solution, before the real prompt."""
+    if not cfg.eval.few_shot:
+        return ""
+    from grpo.data.files import DataError
+    from grpo.data.sets import training_sets
+
+    sft = training_sets(cfg).get("sft", [])
+    if len(sft) < cfg.eval.few_shot:
+        raise DataError(f"eval.few_shot={cfg.eval.few_shot} but only {len(sft)} SFT examples")
+    return "".join(r["prompt"] + r["solution"] + "\n" for r in sft[: cfg.eval.few_shot])

@@ -1,0 +1,111 @@
+"""Checks that run in the parent process, in seconds, before anything expensive starts.
+
+Each failure raises PreflightError with one line naming the thing and what was expected: the
+CLI prints it and exits 2 (the traceback only with --debug). The tracking store is checked by
+tasks.tracking.check_reachable, which knows MLflow.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import tempfile
+from pathlib import Path
+
+from grpo.config import Config
+
+
+class PreflightError(ValueError):
+    """Something a stage needs is missing or broken; the message names it."""
+
+
+def check_model_dir(path: str | Path) -> None:
+    """A Hugging Face model directory: its config and tokenizer load, its weight files have a
+    readable safetensors header (a truncated file is named by its path)."""
+    from grpo.models.loading import ModelDirError, load_tokenizer
+
+    p = Path(path)
+    if not p.is_dir():
+        raise PreflightError(f"{p}: model directory not found")
+    if not (p / "config.json").is_file():
+        raise PreflightError(f"{p}: no config.json: not a Hugging Face model directory")
+    try:
+        json.loads((p / "config.json").read_text())
+    except (ValueError, OSError) as e:
+        raise PreflightError(f"{p / 'config.json'}: not readable JSON ({e})") from e
+    try:
+        load_tokenizer(p)
+    except ModelDirError as e:
+        raise PreflightError(str(e)) from e
+    except (OSError, ValueError) as e:
+        raise PreflightError(f"{p}: the tokenizer does not load: {e}") from e
+    weights = sorted(p.glob("*.safetensors"))
+    if not weights:
+        raise PreflightError(f"{p}: no *.safetensors weights (only safetensors are loaded)")
+    for w in weights:
+        check_safetensors(w)
+
+
+def check_safetensors(path: Path) -> None:
+    """The header of a safetensors file: its length, JSON, and data that fits in the file."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise PreflightError(f"{path}: truncated safetensors file ({size} bytes)")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise PreflightError(f"{path}: corrupt or truncated safetensors file (header length)")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise PreflightError(f"{path}: corrupt safetensors header ({e})") from e
+    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"]
+    if ends and max(ends) > size - 8 - n:
+        raise PreflightError(f"{path}: truncated safetensors file: tensor data ends early")
+
+
+def check_rewards(cfg: Config) -> None:
+    """Every configured reward function resolves (built-in names, importable paths)."""
+    from reward_fns import resolve
+
+    g = cfg.grpo
+    for name in g.reward_funcs:
+        try:
+            resolve(
+                name, max_completion_length=g.max_completion_length, overlong_cache=g.overlong_cache
+            )
+        except ValueError as e:
+            raise PreflightError(str(e)) from e
+
+
+def check_writable(path: str | Path) -> None:
+    """A directory that exists or can be created, and accepts a file."""
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=p, prefix=".preflight-"):
+            pass
+    except OSError as e:
+        raise PreflightError(f"{p}: output directory not writable ({e.strerror or e})") from e
+
+
+def check_data(cfg: Config, eval_sets: list[str] | None = None) -> None:
+    """The training sets and the held-out sets parse (DataError names file, row and field)."""
+    from grpo.data.sets import eval_set, training_sets
+
+    training_sets(cfg)
+    for name in cfg.eval.sets if eval_sets is None else eval_sets:
+        eval_set(name, cfg)
+
+
+def preflight(cfg: Config, *, model_dirs: list[str | Path] = (), train: bool = True) -> None:
+    """The checks of a command: model directories, reward functions, output, data."""
+    check_writable(cfg.output_dir)
+    if cfg.model.path:
+        check_model_dir(cfg.model.path)
+    for d in model_dirs:
+        check_model_dir(d)
+    if train:
+        check_rewards(cfg)
+    check_data(cfg)

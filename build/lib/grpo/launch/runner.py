@@ -1,0 +1,156 @@
+"""Running a training stage (SFT reference, GRPO) in this process or as DeepSpeed ranks.
+
+One rank runs in this process (SFT) or a child process (GRPO); with deepspeed.nproc > 1 or a
+hostfile, DeepSpeed's launcher starts the ranks running `python -m grpo.launch.worker`. The CLI
+and the Prefect tasks call these.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from grpo.config import Config
+from grpo.launch.paths import (
+    ERROR_DIR,
+    base_model_dir,
+    file_lock,
+    reference_dir,
+    write_config,
+)
+
+
+class StageError(RuntimeError):
+    """A stage (or one of its ranks) failed; the message names the rank's error in one line,
+    `details` holds its traceback (shown with --debug)."""
+
+    def __init__(self, message: str, details: str = "") -> None:
+        super().__init__(message)
+        self.details = details
+
+
+def _distributed(cfg: Config) -> bool:
+    return cfg.deepspeed.nproc > 1 or cfg.deepspeed.hostfile is not None
+
+
+def launcher_command(cfg: Config, stage: str, config_path: Path, *args: str) -> list[str]:
+    """The `deepspeed` launcher command that starts the ranks of one stage."""
+    ds = cfg.deepspeed
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(ds.master_port)]
+    if ds.hostfile:
+        cmd += ["--hostfile", ds.hostfile]
+    else:
+        cmd += ["--num_gpus", str(ds.nproc)]
+    return cmd + ["--module", "grpo.launch.worker", stage, "--config", str(config_path), *args]
+
+
+def run_subprocess(
+    cmd: list[str], log: Callable[[str], None] = print, env: dict[str, str] | None = None
+) -> None:
+    """Run a command, streaming its output line by line; on failure raise StageError naming
+    the first rank's error (from the error file the worker writes), else the output's tail."""
+    # a rank's own process group settings must not leak into the ranks it starts
+    dist_vars = {
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    }
+    inherited = {k: v for k, v in os.environ.items() if k not in dist_vars}
+    errors_dir = Path(tempfile.mkdtemp(prefix="grpo-errors-"))
+    full_env = {
+        **inherited, "OMP_WAIT_POLICY": "PASSIVE", ERROR_DIR: str(errors_dir), **(env or {})
+    }  # fmt: skip
+    tail: deque[str] = deque(maxlen=40)
+    with subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env
+    ) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            tail.append(line)
+            log(line)
+        code = proc.wait()
+    records = [json.loads(f.read_text()) for f in sorted(errors_dir.glob("rank*.json"))]
+    shutil.rmtree(errors_dir, ignore_errors=True)
+    if code == 0:
+        return
+    stage = cmd[cmd.index("grpo.launch.worker") + 1] if "grpo.launch.worker" in cmd else cmd[-1]
+    if records:
+        r = min(records, key=lambda x: x["rank"])
+        first = (r["message"].strip().splitlines() or [""])[0]
+        raise StageError(
+            f"{stage} stage exited with {code}: rank {r['rank']}: {r['type']}: {first}",
+            r["traceback"],
+        )
+    errors = [ln for ln in tail if "Error" in ln or "error" in ln] or list(tail)[-10:]
+    raise StageError(f"{stage} stage exited with {code}: " + " | ".join(errors[-3:]),
+                     "\n".join(tail))  # fmt: skip
+
+
+def run_sft(cfg: Config, *, force: bool = False, log: Callable[[str], None] = print) -> Path:
+    """Build the SFT reference (reused when one of the same config and data exists)."""
+    out = reference_dir(cfg)
+    if not cfg.sft.enabled:
+        return out
+    base = base_model_dir(cfg)
+    # a second pipeline of the same config waits here, then finds the cache
+    with file_lock(out.with_name(out.name + ".lock")):
+        if (out / "config.json").exists() and (out / "sft_summary.json").exists() and not force:
+            log(f"SFT reference cache hit: {out}")
+            return out
+        _build_reference(cfg, base, out, log)
+    return out
+
+
+def _build_reference(cfg: Config, base: Path, out: Path, log: Callable[[str], None]) -> None:
+    if _distributed(cfg):
+        cfg_path = write_config(cfg, out.with_name(out.name + "_config.yaml"))
+        run_subprocess(launcher_command(cfg, "sft", cfg_path, "--base", str(base)), log)
+    else:
+        from grpo.data.sets import training_sets
+        from grpo.engine.sft import train_sft
+
+        summary = train_sft(cfg, base, out, training_sets(cfg))
+        (out / "sft_summary.json").write_text(json.dumps(summary, indent=2))
+
+
+def run_grpo(
+    cfg: Config,
+    policy_dir: Path,
+    out_dir: Path,
+    *,
+    resume: bool = False,
+    log: Callable[[str], None] = print,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """GRPO from policy_dir into out_dir (policy/, checkpoints/, metrics.jsonl)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg_path = write_config(cfg, out_dir / "config.yaml")
+    args = ["--policy", str(policy_dir), "--out", str(out_dir)] + (["--resume"] if resume else [])
+    run_subprocess(
+        launcher_command(cfg, "train", cfg_path, *args)
+        if _distributed(cfg)
+        else [
+            sys.executable,
+            "-m",
+            "grpo.launch.worker",
+            "train",
+            "--config",
+            str(cfg_path),
+            *args,
+        ],
+        log,
+        env,
+    )
+    return json.loads((out_dir / "train_summary.json").read_text())

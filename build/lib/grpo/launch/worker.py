@@ -1,0 +1,80 @@
+"""Entry point of one rank: `python -m grpo.launch.worker {sft,train} --config resolved.yaml ...`.
+
+Started by DeepSpeed's launcher (one process per GPU or CPU rank) or directly for one rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        _main(argv)
+    except Exception as e:
+        # the parent names the error in one line; the traceback only with --debug
+        if not _write_error(e) or os.environ.get("GRPO_DEBUG"):
+            raise
+        sys.exit(1)
+
+
+def _write_error(e: BaseException) -> bool:
+    """The rank's error as JSON ({type, message, traceback}), so that the parent can name it in
+    one line instead of the launcher's "exited with 1"."""
+    import traceback
+
+    from grpo.launch.paths import ERROR_DIR
+
+    where = os.environ.get(ERROR_DIR)
+    if not where:
+        return False
+    rank = os.environ.get("RANK", "0")
+    record = {
+        "rank": int(rank), "type": type(e).__name__, "message": str(e),
+        "traceback": "".join(traceback.format_exception(e)),
+    }  # fmt: skip
+    Path(where).mkdir(parents=True, exist_ok=True)
+    Path(where, f"rank{rank}.json").write_text(json.dumps(record))
+    return True
+
+
+def _main(argv: list[str] | None) -> None:
+    p = argparse.ArgumentParser(prog="grpo.launch.worker")
+    p.add_argument("stage", choices=["sft", "train"])
+    p.add_argument("--config", required=True)
+    p.add_argument("--base")
+    p.add_argument("--policy")
+    p.add_argument("--out")
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--local_rank", type=int, default=None)  # passed by older launchers
+    a = p.parse_args(argv)
+
+    from grpo.config import load_config
+
+    cfg = load_config(a.config)
+    rank = int(os.environ.get("RANK", "0"))
+    if a.stage == "sft":
+        from grpo.data.sets import training_sets
+        from grpo.engine.sft import train_sft
+        from grpo.launch.paths import reference_dir
+
+        out = reference_dir(cfg)
+        summary = train_sft(cfg, a.base, out, training_sets(cfg), progress=rank == 0)
+        if rank == 0:
+            (out / "sft_summary.json").write_text(json.dumps(summary, indent=2))
+    else:
+        from grpo.engine.loop import train_grpo
+
+        summary = train_grpo(cfg, a.policy, a.out, resume=a.resume)
+        if rank == 0:
+            Path(a.out, "train_summary.json").write_text(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""Turning problems into the text and token ids the model sees before its completion."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from grpo.config import Config
+
+SYSTEM_PROMPT = (
+    "Think step by step inside <think></think>, then give only the final answer inside "
+    "<answer></answer>."
+)
+
+
+def render_prompt(tokenizer: Any, problem: str, cfg: Config) -> str:
+    """The text the model sees before its completion: plain, or the chat template."""
+    if not cfg.model.chat_template:
+        return problem
+    messages = [
+        {"role": "system", "content": cfg.model.system_prompt or SYSTEM_PROMPT},
+        {"role": "user", "content": problem},
+    ]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def encode_prompts(
+    tokenizer: Any, problems: list[str], cfg: Config, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompt ids and attention mask [B, P]."""
+    texts = [render_prompt(tokenizer, p, cfg) for p in problems]
+    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    return enc["input_ids"].to(device), enc["attention_mask"].to(device)
+
+
+class PromptLengthError(ValueError):
+    """A prompt does not fit grpo.max_prompt_length; the message names its source and row."""
+
+
+def prompt_token_counts(tok: Any, cfg: Config, prompts: list[str]) -> list[int]:
+    """Tokens of each prompt as the model sees it (chat template included)."""
+    texts = [render_prompt(tok, p, cfg) for p in prompts]
+    return [len(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"]]
+
+
+def check_prompt_lengths(tok: Any, cfg: Config, rows: list[dict], source: str) -> None:
+    """Refuse, naming the source and row, a prompt longer than grpo.max_prompt_length tokens.
+
+    A prompt longer in characters than the limit times the longest token's spelling cannot fit
+    and is refused before tokenizing it (a 10 MB prompt costs no tokenizer memory).
+    """
+    limit = cfg.grpo.max_prompt_length
+    widest = max(len(t) for t in tok.get_vocab())
+    for i, r in enumerate(rows):
+        if len(r["prompt"]) > limit * widest:
+            raise PromptLengthError(
+                f"{source}: row {i} (id {r['id']}): prompt of {len(r['prompt']):,} characters "
+                f"cannot fit grpo.max_prompt_length={limit} tokens"
+            )
+    counts = prompt_token_counts(tok, cfg, [r["prompt"] for r in rows])
+    for i, (r, n) in enumerate(zip(rows, counts)):
+        if n > limit:
+            raise PromptLengthError(
+                f"{source}: row {i} (id {r['id']}): prompt of {n} tokens exceeds "
+                f"grpo.max_prompt_length={limit}"
+            )

@@ -1,0 +1,112 @@
+"""Answer correctness with math-verify, bounded in time.
+
+The final answer is read from the last <answer>...</answer> block when there is one, else from the
+text after </think>, else from the whole completion (math-verify then finds \\boxed{} or the last
+expression). Only the last MAX_ANSWER_CHARS characters are parsed: the final answer sits at the
+end, and sympy's cost grows with input size. math-verify's timeouts use SIGALRM, which exists
+only in a process's main thread; called from another thread (a Prefect task runner, say) the
+batch is scored in a short-lived child process instead, where the alarms work.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from typing import Any
+
+from reward_fns.registry import reward_function
+from reward_fns.text import completion_text
+
+MAX_ANSWER_CHARS = 2000
+TIME_LIMIT_S = 1  # per parse and per verify call; math-verify takes whole seconds
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_INTEGER = re.compile(r"-?[0-9]+")
+
+
+def extract_answer(text: str) -> str:
+    """The part of a completion that holds its final answer.
+
+    >>> extract_answer("<think>3+4=7</think><answer>7</answer>")
+    '7'
+    """
+    tagged = _ANSWER_TAG.findall(text)
+    if tagged:
+        return tagged[-1].strip()
+    if "</think>" in text:
+        text = text.rsplit("</think>", 1)[1]
+    return text[-MAX_ANSWER_CHARS:].strip()
+
+
+def _parse(text: str, wrap: bool) -> list:
+    from math_verify import parse
+
+    first = f"${text}$" if wrap else text
+    second = text if wrap else f"${text}$"
+    parsed = parse(first, parsing_timeout=TIME_LIMIT_S)
+    return parsed if parsed else parse(second, parsing_timeout=TIME_LIMIT_S)
+
+
+def is_correct(prediction: str, gold: str) -> bool:
+    """True when the prediction's final answer is mathematically equal to the gold answer."""
+    return answer_matches(extract_answer(prediction)[-MAX_ANSWER_CHARS:], str(gold))
+
+
+@functools.lru_cache(maxsize=65536)
+def answer_matches(answer: str, gold: str) -> bool:
+    """Is an extracted final answer equal to the gold answer? Memoised per (answer, gold).
+
+    The G completions of a prompt share a gold and mostly repeat a few answers, and math-verify
+    (sympy) costs about a millisecond per parse: a batch of 256 completions took 0.45 s, as long
+    as sampling them. Two plain integers are compared as integers, which is what math-verify
+    concludes for them too (tests check both agree).
+
+    >>> answer_matches("0132", "132"), answer_matches("3/2", "1.5")
+    (True, True)
+    """
+    if _INTEGER.fullmatch(answer) and _INTEGER.fullmatch(gold):
+        return int(answer) == int(gold)
+    return _math_verify_matches(answer, gold)
+
+
+def _math_verify_matches(answer: str, gold: str) -> bool:
+    from math_verify import verify
+
+    gold_parsed = _parse(gold, wrap=True)
+    pred_parsed = _parse(answer, wrap=False)
+    if not gold_parsed or not pred_parsed:
+        return False
+    return bool(verify(gold_parsed, pred_parsed, timeout_seconds=TIME_LIMIT_S))
+
+
+def gold_parses(gold: str) -> bool:
+    """True when math-verify parses a gold answer into math, not only its raw-string fallback.
+
+    >>> gold_parses("\\frac{1}{2}"), gold_parses("}}{{")
+    (True, False)
+    """
+    return any(not isinstance(x, str) for x in _parse(str(gold), wrap=True))
+
+
+def _score_batch(texts: list[str], answers: list[str]) -> list[float]:
+    return [1.0 if is_correct(t, a) else 0.0 for t, a in zip(texts, answers)]
+
+
+@reward_function("accuracy")
+def accuracy(completions: Sequence[Any], answer: Sequence[str], **kwargs: Any) -> list[float]:
+    """1.0 when the completion's final answer equals the gold `answer`, else 0.0.
+
+    >>> accuracy(["<think>2*3=6</think><answer>6</answer>", "<answer>5</answer>"], ["6", "6"])
+    [1.0, 0.0]
+    """
+    if len(answer) != len(completions):
+        raise ValueError(f"answer: {len(answer)} gold answers for {len(completions)} completions")
+    texts = [completion_text(c) for c in completions]
+    golds = [str(a) for a in answer]
+    if threading.current_thread() is threading.main_thread():
+        return _score_batch(texts, golds)
+    with ProcessPoolExecutor(max_workers=1, mp_context=get_context("forkserver")) as pool:
+        return pool.submit(_score_batch, texts, golds).result()

@@ -1,0 +1,53 @@
+"""The names a config may use for reward functions: one dict each, filled by decorators.
+
+REWARD_FUNCS: name -> builder(**settings) -> reward function with TRL's signature
+`fn(completions, **columns) -> list[float | None]`. Most builders return a plain function;
+`soft_overlong` builds one from the GRPO settings (max_completion_length, overlong_cache).
+PROCESS_REWARDS: name -> step-level reward function (reward_fns.process).
+Config entries are these names, or import paths "package.module:function" (reward_fns.scoring).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+RewardFn = Callable[..., list]
+RewardBuilder = Callable[..., RewardFn]
+ProcessRewardFn = Callable[..., list[tuple[list[float], list[int]]]]
+
+REWARD_FUNCS: dict[str, RewardBuilder] = {}
+PROCESS_REWARDS: dict[str, ProcessRewardFn] = {}
+
+
+def reward_function(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Register a plain reward function under `name`."""
+
+    def register(fn: RewardFn) -> RewardFn:
+        def build(**settings: Any) -> RewardFn:
+            return fn
+
+        REWARD_FUNCS[name] = build
+        return fn
+
+    return register
+
+
+def reward_builder(name: str) -> Callable[[RewardBuilder], RewardBuilder]:
+    """Register a builder that makes a reward function from the GRPO settings."""
+
+    def register(builder: RewardBuilder) -> RewardBuilder:
+        REWARD_FUNCS[name] = builder
+        return builder
+
+    return register
+
+
+def process_reward(name: str) -> Callable[[ProcessRewardFn], ProcessRewardFn]:
+    """Register a step-level reward function under `name` (`grpo.process_reward`)."""
+
+    def register(fn: ProcessRewardFn) -> ProcessRewardFn:
+        PROCESS_REWARDS[name] = fn
+        return fn
+
+    return register

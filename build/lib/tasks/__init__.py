@@ -1,0 +1,1 @@
+"""Prefect tasks, one per pipeline stage, with the MLflow and Great Expectations glue."""

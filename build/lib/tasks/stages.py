@@ -1,0 +1,247 @@
+"""The five pipeline stages as Prefect tasks, each logging to its own nested MLflow run."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+
+from grpo.config import Config
+from tasks import tracking
+
+
+def child_run(cfg: Config, parent_id: str, name: str) -> str:
+    c = tracking.client(cfg)
+    parent = c.get_run(parent_id)
+    run = c.create_run(
+        parent.info.experiment_id,
+        run_name=name,
+        tags={"mlflow.parentRunId": parent_id, "stage": name},
+    )
+    return run.info.run_id
+
+
+@contextlib.contextmanager
+def stage_run(cfg: Config, parent_id: str, name: str) -> Iterator[str]:
+    """A nested MLflow run for one stage: FINISHED when the block ends, FAILED when it raises
+    (never left RUNNING)."""
+    run_id = child_run(cfg, parent_id, name)
+    try:
+        yield run_id
+    except BaseException:
+        tracking.client(cfg).set_terminated(run_id, "FAILED")
+        raise
+    tracking.client(cfg).set_terminated(run_id, "FINISHED")
+
+
+@task(name="validate-data")
+def validate_data(cfg: Config, parent_id: str, run_dir: Path) -> dict[str, Any]:
+    """Great Expectations suites; a failure stops the flow before any training."""
+    import mlflow.data
+    import pandas as pd
+    from mlflow.entities import DatasetInput, InputTag
+
+    from grpo.data.sets import eval_set, training_sets
+    from tasks.validation import DataValidationError, set_label, validate_datasets
+
+    with stage_run(cfg, parent_id, "validate") as run_id:
+        c = tracking.client(cfg)
+        docs = run_dir / "data_docs"
+        try:
+            results = validate_datasets(cfg, docs)
+        except DataValidationError as e:
+            c.log_text(run_id, str(e), "validation/errors.txt")
+            if docs.exists():
+                c.log_artifacts(run_id, str(docs), "validation/data_docs")
+            raise
+        c.log_dict(run_id, results, "validation/results.json")
+        c.log_artifacts(run_id, str(docs), "validation/data_docs")
+        inputs = []
+        named = {
+            **training_sets(cfg),
+            **{f"heldout_{set_label(n)}": eval_set(n, cfg) for n in cfg.eval.sets},
+        }
+        for name, rows in named.items():
+            ds = mlflow.data.from_pandas(pd.DataFrame(rows), name=name)
+            context = "training" if not name.startswith("heldout") else "evaluation"
+            tag = InputTag(key="mlflow.data.context", value=context)
+            inputs.append(DatasetInput(dataset=ds._to_mlflow_entity(), tags=[tag]))
+        c.log_inputs(run_id, datasets=inputs)
+        for d in inputs:
+            c.set_tag(parent_id, f"data.digest.{d.dataset.name}", d.dataset.digest)
+    return results
+
+
+@task(name="build-reference")
+def build_reference(cfg: Config, parent_id: str) -> str:
+    """SFT reference, cached by a hash of its config and data (a re-run reuses it)."""
+    from grpo.launch.runner import run_sft
+
+    log = get_run_logger()
+    with stage_run(cfg, parent_id, "sft") as run_id:
+        c = tracking.client(cfg)
+        out = run_sft(cfg, log=log.info)
+        summary_path = out / "sft_summary.json"
+        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+        c.set_tag(run_id, "cache_key", out.name)
+        rows = tracking.read_jsonl(out.with_name(out.name + "_metrics.jsonl"))
+        tracking.log_step_metrics(c, run_id, rows, prefix="sft/")
+        for k in ("best_val_loss", "steps", "epochs", "seconds"):
+            if k in summary:
+                c.log_metric(run_id, f"sft/{k}", float(summary[k]))
+        c.log_artifacts(run_id, str(out), "reference")
+    return str(out)
+
+
+@task(name="train-grpo", retries=1, retry_delay_seconds=5)
+def train_policy(cfg: Config, parent_id: str, reference: str, run_dir: Path) -> dict[str, Any]:
+    """GRPO ranks as a subprocess (DeepSpeed launcher when distributed), logs streamed.
+
+    A retry resumes from the last checkpoint of the same run directory.
+    """
+    import pandas as pd
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    from grpo.launch.runner import run_grpo
+    from grpo.models.prompts import SYSTEM_PROMPT
+    from tasks.serving import log_policy
+
+    log = get_run_logger()
+    out = run_dir / "grpo"
+    with stage_run(cfg, parent_id, "grpo") as run_id:
+        c = tracking.client(cfg)
+        monitor = SystemMetricsMonitor(
+            run_id, sampling_interval=5, tracking_uri=tracking.tracking_uri(cfg)
+        )
+        monitor.start()
+        # metrics reach MLflow while the ranks train; the JSONL file is the buffer
+        streamer = tracking.MetricsStreamer(cfg, run_id, out / "metrics.jsonl")
+        try:
+            with streamer:
+                summary = run_grpo(cfg, Path(reference), out, resume=True, log=log.info)
+        finally:
+            monitor.finish()
+        n = streamer.drain()
+        log.info(f"{n} step metric rows in MLflow run {run_id} ({streamer.failures} failed)")
+        rows = tracking.read_jsonl(out / "metrics.jsonl")
+        plot = tracking.plot_curves(rows, out / "curves.png", f"GRPO {cfg.run_name}")
+        c.log_artifact(run_id, str(plot), "plots")
+        c.log_artifact(run_id, str(out / "deepspeed_config.json"), "config")
+        c.log_artifact(run_id, str(out / "config.yaml"), "config")
+        samples = tracking.read_jsonl(out / "completions.jsonl")
+        if samples:
+            c.log_table(run_id, data=pd.DataFrame(samples), artifact_file="completions.json")
+        model_uri = log_policy(run_id, out / "policy", {
+            "chat_template": cfg.model.chat_template,
+            "system_prompt": cfg.model.system_prompt or SYSTEM_PROMPT,
+            "max_new_tokens": cfg.eval.max_new_tokens or cfg.grpo.max_completion_length,
+        })  # fmt: skip
+        # "auto" in the config; the tag says which engine actually sampled
+        c.set_tag(run_id, "generation_engine", summary.get("generation_engine", "unknown"))
+    return {"policy": str(out / "policy"), "run_id": run_id, "seconds": summary["seconds"],
+            "model_uri": model_uri}  # fmt: skip
+
+
+@task(name="sft-control")
+def sft_control(cfg: Config, parent_id: str, reference: str, seconds: float, run_dir: Path) -> str:
+    """The honest control: the SFT reference trained on for the GRPO stage's wall time."""
+    from grpo.data.sets import training_sets
+    from grpo.engine.sft import train_sft
+
+    out = run_dir / "sft_control"
+    with stage_run(cfg, parent_id, "sft-control") as run_id:
+        summary = train_sft(
+            cfg, reference, out, training_sets(cfg), max_seconds=seconds, early_stop=False,
+            progress=False,
+        )  # fmt: skip
+        c = tracking.client(cfg)
+        rows = tracking.read_jsonl(out.with_name(out.name + "_metrics.jsonl"))
+        tracking.log_step_metrics(c, run_id, rows, prefix="sft_control/")
+        c.log_metric(run_id, "sft_control/seconds", float(summary["seconds"]))
+    return str(out)
+
+
+@task(name="evaluate")
+def evaluate(cfg: Config, parent_id: str, models: dict[str, str], run_dir: Path) -> dict:
+    """Every model on the same held-out problems; paired differences against the reference."""
+    import pandas as pd
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    from grpo.eval.run import evaluate_model
+
+    with stage_run(cfg, parent_id, "evaluate") as run_id:
+        c = tracking.client(cfg)
+        reports, samples = {}, {}
+        for label, path in models.items():
+            out = run_dir / "eval" / label
+            reports[label] = evaluate_model(
+                cfg, path, cfg.eval.sets, str(out), samples=cfg.eval.samples,
+                limit=cfg.eval.limit, progress=False,
+            )  # fmt: skip
+            samples[label] = tracking.read_jsonl(out / "samples.jsonl")
+            tracking.log_evaluation(cfg, run_id, reports[label], out, prefix=f"{label}/")
+        table, metrics = comparison(cfg.eval.sets, list(models), reports, samples)
+        # the comparison on the parent run too: the runs list of the MLflow UI shows it directly
+        for k, v in metrics.items():
+            c.log_metric(parent_id, tracking.safe_key(k), v)
+        for k, v in metrics.items():
+            if k.endswith("diff_vs_reference"):
+                c.log_metric(run_id, tracking.safe_key(k), v)
+        c.log_table(run_id, data=pd.DataFrame(table), artifact_file="comparison.json")
+        create_table_artifact(key="evaluation", table=table, description="held-out accuracy")
+        create_markdown_artifact(key="evaluation-summary", markdown=_markdown(table))
+    return {"table": table, "metrics": metrics, "reports": reports}
+
+
+def comparison(
+    sets: list[str], labels: list[str], reports: dict[str, dict], samples: dict[str, list[dict]]
+) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """The table (one row per set: each model's accuracy, each model minus the reference with
+    a paired interval) and the flat metrics behind it."""
+    from grpo.eval.metrics import paired_difference
+
+    table, metrics = [], {}
+    for s in sets:
+        row: dict[str, Any] = {"set": s}
+        for label in labels:
+            m = reports[label]["sets"][s]
+            lo, hi = m["accuracy_ci_low"], m["accuracy_ci_high"]
+            row[label] = f"{m['accuracy']:.3f} [{lo:.3f}, {hi:.3f}]"
+            for k, v in m.items():
+                if isinstance(v, float):
+                    metrics[f"{label}/eval/{s}/{k}"] = v
+        for label in labels:
+            if label == "reference":
+                continue
+            d = paired_difference(
+                [r for r in samples["reference"] if r["set"] == s],
+                [r for r in samples[label] if r["set"] == s],
+            )
+            row[f"{label} - ref"] = f"{d['diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]"
+            metrics[f"{label}/eval/{s}/diff_vs_reference"] = d["diff"]
+        table.append(row)
+    return table, metrics
+
+
+def _markdown(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return ""
+    cols = list(rows[0])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(r[k]) for k in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+@task(name="register-model", retries=2, retry_delay_seconds=5)
+def register_model(
+    cfg: Config, grpo_run_id: str, model_uri: str, metrics: dict[str, float]
+) -> dict[str, Any]:
+    """Registry version with evaluation tags; challenger always, champion through the gate."""
+    from tasks.registry import register
+
+    own = {k.removeprefix("grpo/"): v for k, v in metrics.items() if k.startswith("grpo/")}
+    return register(cfg, grpo_run_id, model_uri, own)

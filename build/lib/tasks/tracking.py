@@ -1,0 +1,277 @@
+"""MLflow glue: the tracking store, params, batched step metrics, plots, tables.
+
+Runs are addressed by id (never the thread-local active run): Prefect may run tasks in threads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from grpo.config import Config
+from grpo.launch.paths import file_lock
+
+PROJECT = Path(__file__).resolve().parents[1]
+SECRET_WORDS = ("token", "password", "secret", "key")
+
+
+def tracking_uri(cfg: Config) -> str:
+    """MLFLOW_TRACKING_URI, the config's, or sqlite mlflow.db in the working directory (beside
+    runs/, the default output_dir)."""
+    return (
+        os.environ.get("MLFLOW_TRACKING_URI")
+        or cfg.tracking.tracking_uri
+        or f"sqlite:///{(Path.cwd() / 'mlflow.db').resolve()}"
+    )
+
+
+_SCHEMA_READY: set[str] = set()  # sqlite stores this process has opened under the lock
+
+
+class TrackingUnreachable(RuntimeError):
+    """The tracking store or server cannot be used; the message names its URI."""
+
+
+def check_reachable(cfg: Config, timeout_s: float = 5.0) -> None:
+    """Before anything starts: an http(s) tracking server answers /health within timeout_s; a
+    sqlite store's folder is writable. (MLflow's own client retries for minutes.)"""
+    import urllib.error
+    import urllib.request
+
+    uri = tracking_uri(cfg)
+    if uri.startswith(("http://", "https://")):
+        try:
+            with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout_s):
+                return
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            reason = getattr(e, "reason", e)
+            raise TrackingUnreachable(
+                f"MLflow tracking server {uri} unreachable ({reason}); start it, or unset "
+                "MLFLOW_TRACKING_URI / tracking.tracking_uri to use the local sqlite store"
+            ) from e
+    if uri.startswith("sqlite:///"):
+        folder = Path(uri.removeprefix("sqlite:///")).parent
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise TrackingUnreachable(f"{uri}: the store's folder {folder} is not writable")
+
+
+def client(cfg: Config) -> Any:
+    import mlflow
+    from mlflow import MlflowClient
+
+    uri = tracking_uri(cfg)
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    if uri.startswith("sqlite:///") and uri not in _SCHEMA_READY:
+        # the first client of a store creates or migrates its schema, which is not safe from
+        # two processes at once: one at a time (both stores: tracking, registry)
+        db = Path(uri.removeprefix("sqlite:///"))
+        with file_lock(db.with_name(db.name + ".lock")):
+            c = MlflowClient(tracking_uri=uri, registry_uri=uri)
+            c.search_registered_models(max_results=1)
+        _SCHEMA_READY.add(uri)
+        return c
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=PROJECT, capture_output=True, text=True, timeout=5
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
+def package_version() -> str:
+    """The installed grpo-pipeline version (package metadata, not a literal in the code)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("grpo-pipeline")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def safe_params(cfg: Config) -> dict[str, str]:
+    """Flattened config: keys that look like credentials left out, URL passwords masked."""
+    import re
+
+    return {
+        k: re.sub(r"://[^/@\s]+@", "://***@", str(v))[:500]
+        for k, v in cfg.flat().items()
+        if not any(w in k.lower().split(".")[-1] for w in SECRET_WORDS)
+    }
+
+
+def safe_key(name: str) -> str:
+    """A metric, param or tag name MLflow accepts: "@" (pass@k) spelled "_at_", any other
+    character outside letters, digits, _ - . / and space replaced by "_".
+
+    >>> safe_key("grpo/eval/x/pass@2"), safe_key("a:b")
+    ('grpo/eval/x/pass_at_2', 'a_b')
+    """
+    return re.sub(r"[^\w\-./ ]", "_", name.replace("@", "_at_"))
+
+
+def log_params(c: Any, run_id: str, params: dict[str, str]) -> None:
+    from mlflow.entities import Param
+
+    items = [Param(k, v) for k, v in params.items()]
+    for s in range(0, len(items), 100):
+        c.log_batch(run_id, params=items[s : s + 100])
+
+
+def log_step_metrics(c: Any, run_id: str, rows: list[dict[str, Any]], prefix: str = "") -> int:
+    """Every numeric field of every row as a metric at its step, in batches of 1000."""
+    import math
+
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    ms = [
+        Metric(safe_key(f"{prefix}{k}"), float(v), now, int(r["step"]))
+        for r in rows
+        for k, v in r.items()
+        if k != "step" and isinstance(v, (int, float)) and math.isfinite(float(v))
+    ]
+    for s in range(0, len(ms), 1000):
+        c.log_batch(run_id, metrics=ms[s : s + 1000])
+    return len(ms)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+
+def plot_curves(rows: list[dict[str, Any]], out: Path, title: str) -> Path:
+    """Reward, held-out accuracy, KL and completion length per step, one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [
+        ("reward", "reward"),
+        ("eval/heldout_accuracy", "held-out accuracy (greedy)"),
+        ("kl", "KL to reference"),
+        ("completions/mean_length", "completion length"),
+    ]
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.2))
+    for ax, (key, label) in zip(axes, panels):
+        pts = [(r["step"], r[key]) for r in rows if key in r]
+        if not pts:
+            note = "beta = 0: no reference, no KL" if key == "kl" else "not logged"
+            ax.text(0.5, 0.5, note, ha="center", va="center", transform=ax.transAxes)
+        elif len(pts) < 20:
+            ax.plot(*zip(*pts), marker="o")
+        else:  # noisy per-step values: faint raw curve, moving average on top
+            xs, ys = zip(*pts)
+            w = max(1, len(ys) // 20)
+            avg = [sum(ys[max(0, i - w + 1) : i + 1]) / len(ys[max(0, i - w + 1) : i + 1])
+                   for i in range(len(ys))]  # fmt: skip
+            ax.plot(xs, ys, alpha=0.3)
+            ax.plot(xs, avg, label=f"mean of {w}")
+            ax.legend(loc="lower right", fontsize=8)
+        ax.set_title(label)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+class MetricsStreamer:
+    """Uploads new lines of a metrics JSONL file to an MLflow run while training runs.
+
+    The file is the source of truth: a line is marked sent only after MLflow accepted it, so a
+    tracking server that is unreachable for a while delays the upload and loses nothing.
+    """
+
+    def __init__(self, cfg: Config, run_id: str, path: Path, interval_s: float = 10.0) -> None:
+        import threading
+
+        self.cfg, self.run_id, self.path, self.interval = cfg, run_id, path, interval_s
+        self.offset = 0
+        self.sent = 0
+        self.failures = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="metrics-streamer")
+
+    def __enter__(self) -> MetricsStreamer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.flush(raise_errors=False)
+
+    def flush(self, raise_errors: bool = True) -> int:
+        """Send what is new; returns the number of rows sent."""
+        from mlflow.exceptions import MlflowException
+
+        if not self.path.exists():
+            return 0
+        with self.path.open("rb") as f:
+            f.seek(self.offset)
+            chunk = f.read()
+        end = chunk.rfind(b"\n") + 1  # only whole lines
+        if end == 0:
+            return 0
+        rows = [json.loads(x) for x in chunk[:end].decode().splitlines() if x.strip()]
+        try:
+            log_step_metrics(client(self.cfg), self.run_id, rows)
+        except (MlflowException, OSError) as e:
+            self.failures += 1
+            if raise_errors:
+                raise
+            print(f"MLflow upload failed ({type(e).__name__}); {len(rows)} rows kept for later")
+            return 0
+        self.offset += end
+        self.sent += len(rows)
+        return len(rows)
+
+    def drain(self, attempts: int = 5, delay_s: float = 5.0) -> int:
+        """Final upload with retries: the server may still be coming back."""
+        from mlflow.exceptions import MlflowException
+
+        for i in range(attempts):
+            try:
+                self.flush(raise_errors=True)
+                return self.sent
+            except (MlflowException, OSError):
+                if i == attempts - 1:
+                    raise
+                time.sleep(delay_s * (i + 1))
+        return self.sent
+
+
+def log_evaluation(
+    cfg: Config, run_id: str, report: dict[str, Any], out_dir: Path, prefix: str = ""
+) -> None:
+    """eval/<set>/<metric> metrics, the per-sample table and the report files."""
+    import pandas as pd
+
+    c = client(cfg)
+    for s, m in report["sets"].items():
+        for k, v in m.items():
+            if isinstance(v, float):
+                c.log_metric(run_id, safe_key(f"{prefix}eval/{s}/{k}"), v)
+    samples = read_jsonl(out_dir / "samples.jsonl")
+    if samples:
+        c.log_table(run_id, data=pd.DataFrame(samples), artifact_file=f"{prefix}eval/samples.json")
+    c.log_artifacts(run_id, str(out_dir), f"{prefix}eval")

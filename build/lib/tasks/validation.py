@@ -1,0 +1,153 @@
+"""Great Expectations suites for every dataset the pipeline reads (1.x API).
+
+Each expectation is commented with the failure it guards against. A failing suite raises
+DataValidationError naming the dataset, the expectation and example rows, before any training.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from grpo.config import Config
+from grpo.data.sets import eval_set, training_sets
+from grpo.launch.paths import base_model_dir
+from grpo.models.loading import load_tokenizer
+from grpo.models.prompts import prompt_token_counts
+from reward_fns import gold_parses
+
+
+class DataValidationError(ValueError):
+    """A dataset failed its expectation suite."""
+
+
+def set_label(name: str) -> str:
+    """A file-system-safe label for an eval set name or path ('data/my set.jsonl' -> 'my_set')."""
+    stem = Path(name.partition(":")[0]).stem if "/" in name or "." in name else name
+    return re.sub(r"[^A-Za-z0-9_-]", "_", stem)
+
+
+def normalise(text: str) -> str:
+    """Text as compared for contamination: lower case, whitespace collapsed."""
+    return re.sub(r"\s+", " ", text.strip().lower())
+
+
+def _frame(
+    rows: list[dict[str, Any]], train_prompts: set[str] | None, tok: Any, cfg: Config
+) -> Any:
+    import pandas as pd
+
+    df = pd.DataFrame(rows)
+    if "prompt" in df:
+        df["prompt_tokens"] = prompt_token_counts(tok, cfg, [str(p) for p in df["prompt"]])
+    if "answer" in df:
+        df["answer_parses"] = [gold_parses(a) for a in df["answer"]]
+    if train_prompts is not None and "prompt" in df:
+        df["in_training_data"] = [normalise(p) in train_prompts for p in df["prompt"]]
+    return df
+
+
+def _suite(name: str, df: Any, kind: str, min_rows: int, max_prompt_tokens: int) -> Any:
+    import great_expectations as gx
+    import great_expectations.expectations as gxe
+
+    suite = gx.ExpectationSuite(name=name)
+    suite.add_expectation(gxe.ExpectTableRowCountToBeBetween(min_value=min_rows))  # empty sets
+    for col in ("id", "prompt", "answer"):
+        suite.add_expectation(gxe.ExpectColumnToExist(column=col))  # schema
+        suite.add_expectation(gxe.ExpectColumnValuesToNotBeNull(column=col))
+    suite.add_expectation(gxe.ExpectColumnValuesToBeUnique(column="id"))  # joins, paired eval
+    suite.add_expectation(gxe.ExpectColumnValuesToBeOfType(column="prompt", type_="str"))
+    suite.add_expectation(gxe.ExpectColumnValueLengthsToBeBetween(column="prompt", min_value=1))
+    # counted in the model's own tokens, chat template included: a longer prompt would crowd out
+    # the completion or overflow the context
+    suite.add_expectation(
+        gxe.ExpectColumnValuesToBeBetween(
+            column="prompt_tokens", min_value=1, max_value=max_prompt_tokens
+        )
+    )
+    # an unparseable gold answer makes every completion score 0: no signal, wrong accuracy
+    suite.add_expectation(gxe.ExpectColumnValuesToBeInSet(column="answer_parses", value_set=[True]))
+    if kind == "sft":
+        suite.add_expectation(gxe.ExpectColumnToExist(column="solution"))
+        suite.add_expectation(gxe.ExpectColumnValuesToNotBeNull(column="solution"))
+    if kind == "heldout":
+        # contamination: a held-out prompt seen in training makes accuracy meaningless
+        suite.add_expectation(
+            gxe.ExpectColumnValuesToBeInSet(column="in_training_data", value_set=[False])
+        )
+    return suite
+
+
+def validate_datasets(cfg: Config, docs_dir: Path) -> dict[str, Any]:
+    """Run every suite; write Data Docs HTML to docs_dir; raise on any failure."""
+    import great_expectations as gx
+
+    sets = training_sets(cfg)
+    train_prompts = {
+        normalise(r["prompt"]) for k in ("train", "sft", "sft_val") for r in sets.get(k, [])
+    }
+    datasets: dict[str, tuple[list[dict], str]] = {"train": (sets["train"], "train")}
+    if "sft" in sets:
+        datasets["sft"] = (sets["sft"], "sft")
+        datasets["sft_val"] = (sets["sft_val"], "sft")
+    for name in cfg.eval.sets:
+        datasets[f"heldout_{set_label(name)}"] = (eval_set(name, cfg), "heldout")
+
+    ctx = gx.get_context(mode="ephemeral")
+    site = "grpo_data_docs"
+    ctx.add_data_docs_site(
+        site_name=site,
+        site_config={
+            "class_name": "SiteBuilder",
+            "store_backend": {"class_name": "TupleFilesystemStoreBackend",
+                              "base_directory": str(docs_dir.resolve())},
+            "site_index_builder": {"class_name": "DefaultSiteIndexBuilder"},
+        },
+    )  # fmt: skip
+    source = ctx.data_sources.add_pandas("grpo")
+    results: dict[str, Any] = {}
+    failures: list[str] = []
+    tok = load_tokenizer(base_model_dir(cfg))
+    for name, (rows, kind) in datasets.items():
+        df = _frame(rows, train_prompts if kind == "heldout" else None, tok, cfg)
+        asset = source.add_dataframe_asset(name)
+        batch_def = asset.add_batch_definition_whole_dataframe(f"{name}_all")
+        suite = ctx.suites.add(_suite(f"{name}_suite", df, kind, 1, cfg.grpo.max_prompt_length))
+        vd = ctx.validation_definitions.add(
+            gx.ValidationDefinition(name=f"{name}_validation", data=batch_def, suite=suite)
+        )
+        cp = ctx.checkpoints.add(
+            gx.Checkpoint(
+                name=f"{name}_checkpoint",
+                validation_definitions=[vd],
+                actions=[gx.checkpoint.UpdateDataDocsAction(name="docs", site_names=[site])],
+            )
+        )
+        res = cp.run(batch_parameters={"dataframe": df})
+        summary = {"success": bool(res.success), "rows": len(df), "failed": []}
+        for vr in res.run_results.values():
+            for r in vr.results:
+                if not r.success:
+                    cfg_ = r.expectation_config
+                    col = cfg_.kwargs.get("column")
+                    bad = _failing_rows(df, col, r.result)
+                    desc = f"{cfg_.type}({col or ''})"
+                    summary["failed"].append({"expectation": desc, "rows": bad})
+                    failures.append(f"{name}: {desc} failed; e.g. rows {bad}")
+        results[name] = summary
+    if failures:
+        raise DataValidationError(
+            "data validation failed, no training started:\n  " + "\n  ".join(failures)
+        )
+    return results
+
+
+def _failing_rows(df: Any, column: str | None, result: dict) -> list[str]:
+    vals = result.get("partial_unexpected_list") or []
+    if column is None or column not in df or not vals:
+        return []
+    hit = df[df[column].isin(vals)] if not isinstance(vals[0], (list, dict)) else df.head(0)
+    ids = hit["id"].astype(str).tolist() if "id" in hit else [str(i) for i in hit.index]
+    return ids[:5]

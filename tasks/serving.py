@@ -1,0 +1,100 @@
+"""The trained policy as an MLflow model: loadable with mlflow.pyfunc, servable over REST.
+
+Why a pyfunc model whose artifact is the Hugging Face directory, rather than the transformers
+flavour: logging needs no second copy of the model in memory (the GRPO ranks have exited; a
+real model is gigabytes), the same path serves every size, and the directory inside it is the
+one `grpo evaluate models:/NAME@ALIAS` reads. Prediction is greedy generation with the
+model's own chat template when the run used one.
+
+    mlflow.pyfunc.load_model("models:/grpo-tiny-math@champion").predict(["12+34="])
+    mlflow models serve -m models:/grpo-tiny-math@champion --env-manager local
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlflow.pyfunc
+
+POLICY = "policy"  # the artifact key (and folder) of the Hugging Face directory
+
+
+class PolicyModel(mlflow.pyfunc.PythonModel):
+    """Prompts (a list of strings, or a DataFrame with a "prompt" column) -> completions."""
+
+    def load_context(self, context: Any) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = context.artifacts[POLICY]
+        self.config = dict(context.model_config or {})
+        self.tok = AutoTokenizer.from_pretrained(path)
+        self.tok.padding_side = "left"
+        if self.tok.pad_token_id is None:
+            self.tok.pad_token = self.tok.eos_token
+        self.model = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True)
+        self.model.eval()
+        torch.set_grad_enabled(False)
+
+    def predict(self, context: Any, model_input: Any, params: dict | None = None) -> list[str]:
+        if hasattr(model_input, "columns"):  # a DataFrame: the "prompt" column, or the only one
+            col = "prompt" if "prompt" in model_input.columns else model_input.columns[0]
+            prompts = [str(p) for p in model_input[col]]
+        else:
+            prompts = [str(p) for p in model_input]
+        max_new = int((params or {}).get("max_new_tokens", self.config["max_new_tokens"]))
+        texts = [self._render(p) for p in prompts]
+        enc = self.tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        out = self.model.generate(
+            **enc, max_new_tokens=max_new, do_sample=False, pad_token_id=self.tok.pad_token_id
+        )
+        width = enc["input_ids"].shape[1]
+        return [self.tok.decode(o[width:], skip_special_tokens=True) for o in out]
+
+    def _render(self, problem: str) -> str:
+        if not self.config.get("chat_template"):
+            return problem
+        messages = [
+            {"role": "system", "content": self.config["system_prompt"]},
+            {"role": "user", "content": problem},
+        ]
+        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def log_policy(run_id: str, policy_dir: Path, model_config: dict[str, Any]) -> str:
+    """Log policy_dir as a pyfunc model in the run; returns its model URI."""
+    import importlib.metadata as md
+
+    import mlflow
+    from mlflow.models import infer_signature
+
+    example = ["12+34="]
+    output = ["<think>4+2=6 1+3=4</think><answer>46</answer>"]
+    params = {"max_new_tokens": model_config["max_new_tokens"]}
+    signature = infer_signature(example, output, params=params)
+    reqs = [f"{p}=={md.version(p)}" for p in ("mlflow", "torch", "transformers", "safetensors")]
+    with mlflow.start_run(run_id=run_id):
+        info = mlflow.pyfunc.log_model(
+            name="model",
+            python_model=PolicyModel(),
+            artifacts={POLICY: str(policy_dir)},
+            code_paths=[str(Path(__file__).parent)],  # this package, for an isolated env
+            model_config=model_config,
+            signature=signature,
+            input_example=example,
+            pip_requirements=reqs,
+        )
+    return info.model_uri
+
+
+def policy_dir_of(downloaded: Path) -> Path:
+    """The Hugging Face directory inside a downloaded MLflow model (MLmodel says where), or
+    the directory itself when it is one already."""
+    import yaml
+
+    mlmodel = downloaded / "MLmodel"
+    if not mlmodel.is_file():
+        return downloaded
+    flavor = yaml.safe_load(mlmodel.read_text())["flavors"]["python_function"]
+    return downloaded / flavor["artifacts"][POLICY]["path"]
