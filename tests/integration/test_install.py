@@ -1,6 +1,7 @@
 """A plain (non-editable) install runs the pipeline from another directory."""
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,9 +16,18 @@ pytestmark = pytest.mark.slow
 def test_a_wheel_install_runs_the_pipeline_elsewhere(tmp_path):
     wheels, site, work = tmp_path / "wheels", tmp_path / "site", tmp_path / "work"
     work.mkdir()
+    # build from a copy: setuptools writes build/ next to the sources
+    src = tmp_path / "src"
+    shutil.copytree(
+        ROOT,
+        src,
+        ignore=shutil.ignore_patterns(
+            ".venv", ".git", "runs", "mlruns", "build", "*.egg-info", "mlflow.db*", "__pycache__"
+        ),
+    )
     pip = [sys.executable, "-m", "pip", "-q"]
     build = subprocess.run(
-        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(ROOT)],
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(src)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert build.returncode == 0, build.stderr[-2000:]

@@ -1,1 +1,0 @@
-"""Prefect flows: the pipeline, deployments and the command line."""

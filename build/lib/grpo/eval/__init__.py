@@ -1,1 +1,0 @@
-"""Evaluation: pure metrics (metrics) and runs that generate and score (run)."""
