@@ -1,10 +1,11 @@
 """The trained policy as an MLflow model: loadable with mlflow.pyfunc, servable over REST.
 
 Why a pyfunc model whose artifact is the Hugging Face directory, rather than the transformers
-flavour: logging needs no second copy of the model in memory (the GRPO ranks have exited; a
-real model is gigabytes), the same path serves every size, and the directory inside it is the
-one `grpo evaluate models:/NAME@ALIAS` reads. Prediction is greedy generation with the
-model's own chat template when the run used one.
+flavour: the flavour needs the model object in the logging process (passing a directory
+fails on this stack), the directory is kept byte for byte (it is what `grpo evaluate
+models:/NAME@ALIAS` reads), and one path serves every size. MLflow still loads the model once
+while logging, to check the input example; the GRPO ranks have exited by then. Prediction is
+greedy generation, with the model's chat template when the run used one.
 
     mlflow.pyfunc.load_model("models:/grpo-tiny-math@champion").predict(["12+34="])
     mlflow models serve -m models:/grpo-tiny-math@champion --env-manager local
@@ -24,7 +25,6 @@ class PolicyModel(mlflow.pyfunc.PythonModel):
     """Prompts (a list of strings, or a DataFrame with a "prompt" column) -> completions."""
 
     def load_context(self, context: Any) -> None:
-        import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         path = context.artifacts[POLICY]
@@ -35,9 +35,10 @@ class PolicyModel(mlflow.pyfunc.PythonModel):
             self.tok.pad_token = self.tok.eos_token
         self.model = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True)
         self.model.eval()
-        torch.set_grad_enabled(False)
 
     def predict(self, context: Any, model_input: Any, params: dict | None = None) -> list[str]:
+        import torch
+
         if hasattr(model_input, "columns"):  # a DataFrame: the "prompt" column, or the only one
             col = "prompt" if "prompt" in model_input.columns else model_input.columns[0]
             prompts = [str(p) for p in model_input[col]]
@@ -46,9 +47,10 @@ class PolicyModel(mlflow.pyfunc.PythonModel):
         max_new = int((params or {}).get("max_new_tokens", self.config["max_new_tokens"]))
         texts = [self._render(p) for p in prompts]
         enc = self.tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        out = self.model.generate(
-            **enc, max_new_tokens=max_new, do_sample=False, pad_token_id=self.tok.pad_token_id
-        )
+        with torch.no_grad():
+            out = self.model.generate(
+                **enc, max_new_tokens=max_new, do_sample=False, pad_token_id=self.tok.pad_token_id
+            )
         width = enc["input_ids"].shape[1]
         return [self.tok.decode(o[width:], skip_special_tokens=True) for o in out]
 

@@ -41,7 +41,8 @@ def test_report_numbers_equal_a_recomputation_from_the_samples_file(tmp_path):
 
 
 def test_math500_has_subject_and_level_breakdown(tmp_path):
-    cfg = small_config(tmp_path, "eval.max_new_tokens=8")
+    # MATH-500 in the tiny model's characters: longer than the default 512
+    cfg = small_config(tmp_path, "eval.max_new_tokens=8", "grpo.max_prompt_length=4096")
     rep = evaluate_model(
         cfg, str(base_model_dir(cfg)), ["math500"], str(tmp_path / "m"), limit=12, progress=False
     )

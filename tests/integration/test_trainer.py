@@ -126,4 +126,5 @@ def test_skipping_zero_advantage_rows_gives_the_same_update(tmp_path):
         up.update(ro, per_token(adv, ro), None)
         weights[skip] = [p.detach().clone() for p in t.engine.module.parameters()]
     for a, b in zip(weights[True], weights[False], strict=True):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+        # float noise only: the two runs batch the rows differently (different matmul shapes)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
