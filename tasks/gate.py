@@ -1,0 +1,106 @@
+"""The promotion gate: when a newly trained policy becomes @champion.
+
+The evidence is paired: in the same pipeline run the candidate, its own SFT reference and the
+current champion are evaluated on the same held-out problems with the same samples, and each
+comparison is the paired difference of their correctness with a 95% interval
+(grpo.eval.metrics.paired_difference). A candidate is promoted only when
+
+1. it beats its own reference: the lower bound of (candidate - reference) is above 0, and
+2. there is no champion yet, or the lower bound of (candidate - champion) is above
+   `tracking.promotion_margin`.
+
+A champion whose comparison is missing or NaN (it could not be evaluated) blocks promotion with
+the reason recorded; `grpo promote` remains the manual override.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def _finite(d: dict[str, float] | None) -> bool:
+    return d is not None and all(math.isfinite(d.get(k, math.nan)) for k in ("diff", "ci_low"))
+
+
+def decide(
+    vs_reference: dict[str, float] | None,
+    vs_champion: dict[str, float] | None,
+    champion_version: str | None,
+    margin: float,
+    metric: str,
+) -> tuple[bool, str]:
+    """(promote?, the reason in one line) from paired differences {diff, ci_low, ci_high, n}.
+
+    >>> decide({"diff": 0.1, "ci_low": 0.05}, None, None, 0.005, "synthetic")[0]
+    True
+    >>> ok, why = decide({"diff": 0.1, "ci_low": 0.05}, {"diff": 0.01, "ci_low": -0.02}, "3",
+    ...                  0.005, "x")
+    >>> ok, why.split(": ", 2)[2]
+    (False, '+0.010, 95% lower bound -0.020 <= margin 0.005')
+    """
+    if not _finite(vs_reference):
+        return False, f"{metric}: no paired comparison with its own reference"
+    d, lo = vs_reference["diff"], vs_reference["ci_low"]
+    if lo <= 0:
+        return False, (
+            f"{metric}: not better than its own reference: {d:+.3f}, 95% lower bound {lo:+.3f} <= 0"
+        )
+    if champion_version is None:
+        return True, f"{metric}: first champion, beats its reference by {d:+.3f} (lower {lo:+.3f})"
+    if not _finite(vs_champion):
+        return False, (
+            f"{metric}: champion v{champion_version}'s comparison is missing or NaN: refused "
+            "(grpo promote overrides)"
+        )
+    d, lo = vs_champion["diff"], vs_champion["ci_low"]
+    if lo <= margin:
+        return False, (
+            f"{metric}: within noise of or worse than champion v{champion_version}: {d:+.3f}, "
+            f"95% lower bound {lo:+.3f} <= margin {margin:g}"
+        )
+    return True, (
+        f"{metric}: beats champion v{champion_version} by {d:+.3f} "
+        f"(95% lower bound {lo:+.3f} > margin {margin:g})"
+    )
+
+
+def evidence_tags(
+    vs_reference: dict[str, float] | None, vs_champion: dict[str, float] | None
+) -> dict[str, str]:
+    """The comparisons as model-version tags (gate/vs_reference/diff, ...)."""
+    out: dict[str, str] = {}
+    for name, d in (("vs_reference", vs_reference), ("vs_champion", vs_champion)):
+        for k, v in (d or {}).items():
+            out[f"gate/{name}/{k}"] = f"{v:.6f}" if isinstance(v, float) else str(v)
+    return out
+
+
+def promotion_set(metric: str) -> str:
+    """The held-out set of a promotion metric "eval/<set>/accuracy" (the paired comparison is
+    of greedy correctness, so the gate is defined for accuracy only)."""
+    parts = metric.split("/")
+    if len(parts) != 3 or parts[0] != "eval" or parts[2] != "accuracy":
+        raise ValueError(
+            f"tracking.promotion_metric {metric!r}: expected eval/<set>/accuracy (the gate pairs "
+            "greedy correctness on the same problems)"
+        )
+    return parts[1]
+
+
+def describe(cfg_summary: dict[str, Any], table_md: str, reason: str) -> str:
+    """The model version's description: what was trained, from what, on what, and the result."""
+    lines = [
+        f"GRPO policy of run `{cfg_summary['run_name']}`: {cfg_summary['steps']} steps of "
+        f"{cfg_summary['prompts']} prompts x {cfg_summary['group']} completions, "
+        f"loss {cfg_summary['loss']}, lr {cfg_summary['lr']:g}, beta {cfg_summary['beta']:g}.",
+        f"Reference (pi_ref and the starting policy): `{cfg_summary['reference']}`.",
+        f"Training data: {cfg_summary['data']}.",
+        "",
+        "Held-out evaluation (greedy pass@1, 95% intervals):",
+        "",
+        table_md,
+        "",
+        f"Promotion gate: {reason}",
+    ]
+    return "\n".join(lines)
