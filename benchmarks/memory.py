@@ -75,7 +75,7 @@ class PeakRSS:
 
 def main() -> None:
     from grpo.config import load_config
-    from grpo.launch.runner import run_grpo
+    from grpo.launch.runner import StageError, run_grpo
 
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=3)
@@ -95,7 +95,13 @@ def main() -> None:
         out = work / f"zero{zero}-n{nproc}"
         t0 = time.time()
         with PeakRSS() as mon:
-            run_grpo(cfg, model, out, log=lambda s: None)
+            try:
+                run_grpo(cfg, model, out, log=lambda s: None)
+            except StageError as e:  # e.g. a rank killed for memory: a result, not a crash
+                peaks = sorted(mon.peaks.values(), reverse=True)[:nproc]
+                rows.append((name, [b / 2**30 for b in peaks], None, time.time() - t0))
+                print(f"{name}: failed: {e}", flush=True)
+                continue
         wall = time.time() - t0
         steps = [json.loads(x) for x in (out / "metrics.jsonl").open() if x.strip()]
         times = [r["step_time"] for r in steps[1:]] or [steps[0]["step_time"]]
@@ -115,7 +121,8 @@ def main() -> None:
         "|---|---|---|---|",
     ]
     for name, peaks, step, wall in rows:
-        lines.append(f"| {name} | {', '.join(f'{x:.1f}' for x in peaks)} | {step:.1f} "
+        took = f"{step:.1f}" if step is not None else "failed: a rank was killed"
+        lines.append(f"| {name} | {', '.join(f'{x:.1f}' for x in peaks)} (peak seen) | {took} "
                      f"| {wall:.0f} |")  # fmt: skip
     lines += [
         "",

@@ -115,7 +115,7 @@ def cmd_promote(a: argparse.Namespace) -> None:
     from tasks.registry import promote
 
     cfg = _config(a)
-    promote(cfg, a.version, alias=a.alias)
+    promote(cfg, a.version, alias=a.alias, reason=a.reason or "")
     print(f"{cfg.tracking.registered_model} version {a.version} is now @{a.alias}")
 
 
@@ -158,6 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     pr = add("promote", cmd_promote, "point an alias (default champion) at a model version")
     pr.add_argument("--version", required=True)
     pr.add_argument("--alias", default="champion")
+    pr.add_argument("--reason", help="why (recorded on the version with who and when)")
     sv = add("serve", cmd_serve, "local Prefect + MLflow servers, deployment and worker")
     sv.add_argument("--prefect-port", type=int, default=4200)
     sv.add_argument("--mlflow-port", type=int, default=5000)
@@ -175,6 +176,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Failures a user can act on: one line each, no traceback (--debug shows it)."""
+    from flows.serve import ServeError
     from grpo.config import ConfigError
     from grpo.data.files import DataError
     from grpo.launch.preflight import PreflightError
@@ -187,7 +189,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
     return (ConfigError, DataError, ModelDirError, StageError, PreflightError,
             RewardFunctionError, TrackingUnreachable, DataValidationError, PromptLengthError,
-            OSError)  # fmt: skip
+            ServeError, OSError)  # fmt: skip
 
 
 def _one_line(e: BaseException) -> str:

@@ -28,7 +28,7 @@ class PipelineParams(BaseModel):
 
 @flow(name="grpo-pipeline", log_prints=True)
 def grpo_pipeline(params: PipelineParams = PipelineParams()) -> dict[str, Any]:  # noqa: B008
-    from tasks import stages, tracking
+    from tasks import registry, stages, tracking
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cfg = load_config(params.config, params.overrides)
@@ -56,8 +56,12 @@ def grpo_pipeline(params: PipelineParams = PipelineParams()) -> dict[str, Any]: 
         models = {"reference": ref, "grpo": trained["policy"]}
         if params.control and cfg.sft.enabled:
             models["sft_continued"] = stages.sft_control(cfg, pid, ref, trained["seconds"], run_dir)
+        # the current champion, evaluated on the same problems: the gate's paired evidence
+        champ = registry.champion(cfg, run_dir / "champion")
+        if champ["path"]:
+            models["champion"] = champ["path"]
         ev = stages.evaluate(cfg, pid, models, run_dir)
-        reg = stages.register_model(cfg, trained["run_id"], trained["model_uri"], ev["metrics"])
+        reg = stages.register_model(cfg, trained, ref, ev, champ)
     except BaseException:
         c.set_terminated(pid, "FAILED")
         raise

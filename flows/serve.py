@@ -6,6 +6,8 @@ cron schedule) is declared in prefect.yaml; the worker runs scheduled pipeline r
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -17,6 +19,7 @@ from pathlib import Path
 
 PROJECT = Path(__file__).resolve().parents[1]
 POOL = "grpo-process-pool"
+DEPLOYMENT = "nightly-tiny"  # the deployment in prefect.yaml
 
 
 def _bin(name: str) -> str:
@@ -34,12 +37,22 @@ def _wait(url: str, seconds: float, what: str) -> None:
     raise RuntimeError(f"{what} did not answer at {url} within {seconds:.0f}s")
 
 
-def serve(config: str, prefect_port: int = 4200, mlflow_port: int = 5000) -> None:
+class ServeError(RuntimeError):
+    """A server or the worker died, or a setup command failed; the message names it."""
+
+
+def serve(config: str | None, prefect_port: int = 4200, mlflow_port: int = 5000) -> None:
+    """Start everything, deploy `config` as the scheduled pipeline, watch the children.
+
+    The MLflow server has its own store (mlflow-serve.db, artifacts proxied to mlartifacts/):
+    runs created through a server get mlflow-artifacts:/ locations, which a direct sqlite
+    client cannot read, so the plain CLI's mlflow.db is never shared with it. Point the CLI at
+    the server with MLFLOW_TRACKING_URI=http://127.0.0.1:5000 to use the served store.
+    """
     host = os.environ.get("GRPO_SERVE_HOST", "127.0.0.1")
-    home = PROJECT / ".prefect"
     env = {
         **os.environ,
-        "PREFECT_HOME": str(home),
+        "PREFECT_HOME": str(PROJECT / ".prefect"),
         "PREFECT_API_URL": f"http://{host}:{prefect_port}/api",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "DO_NOT_TRACK": "true",
@@ -49,13 +62,23 @@ def serve(config: str, prefect_port: int = 4200, mlflow_port: int = 5000) -> Non
     }
     logs = PROJECT / "runs" / "serve"
     logs.mkdir(parents=True, exist_ok=True)
-    procs: list[subprocess.Popen] = []
+    procs: dict[str, subprocess.Popen] = {}
 
     def start(cmd: list[str], name: str) -> None:
         f = (logs / f"{name}.log").open("w")
-        procs.append(subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT))
+        # a session of its own: stopping it stops its children too (server workers, flow runs)
+        procs[name] = subprocess.Popen(
+            cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
-    db = f"sqlite:///{PROJECT / 'mlflow.db'}"
+    stop = {"signal": None}
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop["signal"] = signum
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    db = f"sqlite:///{PROJECT / 'mlflow-serve.db'}"
     start(
         [_bin("prefect"), "server", "start", "--host", host, "--port", str(prefect_port)], "prefect"
     )
@@ -65,17 +88,46 @@ def serve(config: str, prefect_port: int = 4200, mlflow_port: int = 5000) -> Non
     try:
         _wait(f"http://{host}:{prefect_port}/api/health", 120, "Prefect server")
         _wait(f"http://{host}:{mlflow_port}/health", 120, "MLflow server")
-        subprocess.run([_bin("prefect"), "work-pool", "create", POOL, "--type", "process",
-                        "--overwrite"], env=env, check=True, cwd=PROJECT)  # fmt: skip
-        subprocess.run([_bin("prefect"), "--no-prompt", "deploy", "--all"],
-                       env=env, check=True, cwd=PROJECT)  # fmt: skip
+        _run([_bin("prefect"), "work-pool", "create", POOL, "--type", "process", "--overwrite"],
+             env, "creating the work pool")  # fmt: skip
+        params = {"params": {"config": str(Path(config).resolve()) if config else None,
+                             "overrides": [], "control": True}}  # fmt: skip
+        _run([_bin("prefect"), "--no-prompt", "deploy", "--name", DEPLOYMENT, "--params",
+              json.dumps(params)], env, "deploying prefect.yaml")  # fmt: skip
         start([_bin("prefect"), "worker", "start", "--pool", POOL], "worker")
         print(f"Prefect UI: http://{host}:{prefect_port}")
         print(f"MLflow UI:  http://{host}:{mlflow_port}")
-        print(f"logs in {logs}; Ctrl-C stops everything")
-        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+        print(f"deployment grpo-pipeline/{DEPLOYMENT} runs {config or 'the default config'}")
+        print(f"logs in {logs}; Ctrl-C stops everything", flush=True)
+        while stop["signal"] is None:
+            for name, p in procs.items():
+                if p.poll() is not None:
+                    raise ServeError(
+                        f"the {name} process exited with {p.returncode}; see {logs / name}.log"
+                    )
+            time.sleep(1)
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(timeout=30)
+        _stop_all(procs)
+
+
+def _run(cmd: list[str], env: dict[str, str], what: str) -> None:
+    out = subprocess.run(cmd, env=env, cwd=PROJECT, capture_output=True, text=True)
+    if out.returncode != 0:
+        tail = (out.stdout + out.stderr).strip().splitlines()[-3:]
+        raise ServeError(f"{what} failed ({out.returncode}): {' | '.join(tail)}")
+
+
+def _stop_all(procs: dict[str, subprocess.Popen]) -> None:
+    """SIGTERM every child's process group, then SIGKILL what is left after 20 s."""
+    for p in procs.values():
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.time() + 20
+    for p in procs.values():
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=max(0.1, deadline - time.time()))
+    for p in procs.values():
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)  # the group may outlive its leader
+        p.wait()

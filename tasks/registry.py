@@ -1,4 +1,4 @@
-"""Model registry: versions with evaluation tags, challenger/champion aliases, a promotion gate."""
+"""Model registry: versions with evaluation tags, challenger/champion aliases, the gate."""
 
 from __future__ import annotations
 
@@ -6,12 +6,24 @@ from pathlib import Path
 from typing import Any
 
 from grpo.config import Config
+from tasks.gate import decide, evidence_tags
 from tasks.tracking import client, safe_key
 
 
-def register(cfg: Config, run_id: str, model_uri: str, metrics: dict[str, float]) -> dict[str, Any]:
-    """A version of the logged model (tasks.serving) of run_id; alias challenger; the gate
-    for champion. Safe to retry: a version of the same run is reused, not duplicated."""
+def register(
+    cfg: Config,
+    run_id: str,
+    model_uri: str,
+    metrics: dict[str, float],
+    *,
+    vs_reference: dict[str, float] | None,
+    vs_champion: dict[str, float] | None,
+    champion_version: str | None,
+    description: str = "",
+) -> dict[str, Any]:
+    """A version of the logged model (tasks.serving) of run_id, tagged with its metrics; alias
+    challenger; @champion through the paired gate (tasks.gate), whose decision and evidence are
+    recorded on the version. Safe to retry: the version of the same run is reused."""
     from mlflow.exceptions import MlflowException
 
     c = client(cfg)
@@ -28,33 +40,37 @@ def register(cfg: Config, run_id: str, model_uri: str, metrics: dict[str, float]
     mv = existing[0] if existing else c.create_model_version(
         name, source=model_uri, run_id=run_id, model_id=logged
     )  # fmt: skip
-    for k, v in metrics.items():
-        c.set_model_version_tag(name, mv.version, safe_key(k), f"{v:.6f}")
+    tags = {safe_key(k): f"{v:.6f}" for k, v in metrics.items()}
+    tags.update(evidence_tags(vs_reference, vs_champion))
+    promoted, reason = decide(
+        vs_reference, vs_champion, champion_version, cfg.tracking.promotion_margin,
+        cfg.tracking.promotion_metric,
+    )  # fmt: skip
+    tags.update({"gate/decision": "promoted" if promoted else "not promoted", "promotion": reason,
+                 "eval_settings": cfg.digest("eval", "data")})  # fmt: skip
+    for k, v in tags.items():
+        c.set_model_version_tag(name, mv.version, k, v)
     c.set_registered_model_alias(name, "challenger", mv.version)
-    metric = safe_key(cfg.tracking.promotion_metric)
-    candidate = {safe_key(k): v for k, v in metrics.items()}.get(metric)
-    champion = _alias_version(c, name, "champion")
-    promoted, reason = False, ""
-    if champion is None:
-        promoted, reason = True, "first model: champion"
-    elif candidate is None:
-        reason = f"candidate has no {metric}"
-    else:
-        current = float(champion.tags.get(metric, "nan"))
-        margin = cfg.tracking.promotion_margin
-        if current != current or candidate > current + margin:
-            promoted = True
-            reason = (
-                f"{metric} {candidate:.4f} > champion v{champion.version} {current:.4f}+{margin}"
-            )
-        else:
-            reason = (
-                f"{metric} {candidate:.4f} <= champion v{champion.version} {current:.4f}+{margin}"
-            )
     if promoted:
         c.set_registered_model_alias(name, "champion", mv.version)
-    c.set_model_version_tag(name, mv.version, "promotion", reason)
+    text = description + ("" if description.endswith(reason) else f"\n\nPromotion gate: {reason}")
+    c.update_model_version(name, mv.version, description=text.strip())
     return {"name": name, "version": mv.version, "champion": promoted, "reason": reason}
+
+
+def champion(cfg: Config, dst: Path) -> dict[str, Any]:
+    """The current @champion: its version and its Hugging Face directory downloaded to dst
+    (path None when it cannot be fetched: the gate then refuses, naming the reason)."""
+    from mlflow.exceptions import MlflowException
+
+    mv = _alias_version(client(cfg), cfg.tracking.registered_model, "champion")
+    if mv is None:
+        return {"version": None, "path": None}
+    uri = f"models:/{cfg.tracking.registered_model}/{mv.version}"
+    try:
+        return {"version": str(mv.version), "path": str(download_model(uri, cfg, str(dst)))}
+    except (MlflowException, OSError) as e:
+        return {"version": str(mv.version), "path": None, "error": str(e)}
 
 
 def _alias_version(c: Any, name: str, alias: str) -> Any:
@@ -66,11 +82,20 @@ def _alias_version(c: Any, name: str, alias: str) -> Any:
         return None
 
 
-def promote(cfg: Config, version: str, alias: str = "champion") -> None:
-    """Manual promotion or rollback: point alias at version."""
+def promote(cfg: Config, version: str, alias: str = "champion", reason: str = "") -> None:
+    """Manual promotion or rollback, past the gate: point alias at version and record who did
+    it and why on the version."""
+    import getpass
+    import time
+
     c = client(cfg)
-    c.get_model_version(cfg.tracking.registered_model, version)  # raises if it does not exist
-    c.set_registered_model_alias(cfg.tracking.registered_model, alias, version)
+    name = cfg.tracking.registered_model
+    c.get_model_version(name, version)  # raises if it does not exist
+    c.set_registered_model_alias(name, alias, version)
+    who = f"{getpass.getuser()} at {time.strftime('%Y-%m-%d %H:%M:%S')}"
+    c.set_model_version_tag(
+        name, version, f"manual/{alias}", f"{who}: {reason or 'no reason given'}"
+    )
 
 
 def download_model(uri: str, cfg: Config, dst: str | None = None) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,12 +42,7 @@ def stage_run(cfg: Config, parent_id: str, name: str) -> Iterator[str]:
 @task(name="validate-data")
 def validate_data(cfg: Config, parent_id: str, run_dir: Path) -> dict[str, Any]:
     """Great Expectations suites; a failure stops the flow before any training."""
-    import mlflow.data
-    import pandas as pd
-    from mlflow.entities import DatasetInput, InputTag
-
-    from grpo.data.sets import eval_set, training_sets
-    from tasks.validation import DataValidationError, set_label, validate_datasets
+    from tasks.validation import DataValidationError, validate_datasets
 
     with stage_run(cfg, parent_id, "validate") as run_id:
         c = tracking.client(cfg)
@@ -60,20 +56,52 @@ def validate_data(cfg: Config, parent_id: str, run_dir: Path) -> dict[str, Any]:
             raise
         c.log_dict(run_id, results, "validation/results.json")
         c.log_artifacts(run_id, str(docs), "validation/data_docs")
-        inputs = []
-        named = {
-            **training_sets(cfg),
-            **{f"heldout_{set_label(n)}": eval_set(n, cfg) for n in cfg.eval.sets},
-        }
-        for name, rows in named.items():
-            ds = mlflow.data.from_pandas(pd.DataFrame(rows), name=name)
-            context = "training" if not name.startswith("heldout") else "evaluation"
-            tag = InputTag(key="mlflow.data.context", value=context)
-            inputs.append(DatasetInput(dataset=ds._to_mlflow_entity(), tags=[tag]))
+        inputs = dataset_inputs(cfg)
         c.log_inputs(run_id, datasets=inputs)
+        c.log_inputs(parent_id, datasets=inputs)  # the runs list shows them on the parent
         for d in inputs:
             c.set_tag(parent_id, f"data.digest.{d.dataset.name}", d.dataset.digest)
     return results
+
+
+def dataset_inputs(cfg: Config) -> list[Any]:
+    """Every dataset of the run as an MLflow dataset input: its rows' digest, its source (the
+    file, or the synthetic generator and seed), training or evaluation context."""
+    import warnings
+
+    import mlflow.data
+    import pandas as pd
+    from mlflow.data.code_dataset_source import CodeDatasetSource
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    from grpo.data.sets import data_dir, eval_set, training_sets
+    from tasks.validation import set_label
+
+    def source(path: str | Path | None, what: str) -> Any:
+        if path:  # MLflow resolves a file URI to its local-file source
+            return Path(path).resolve().as_uri()
+        return CodeDatasetSource({"generator": "grpo.data.synthetic", "set": what,
+                                  "seed": str(cfg.data.seed)})  # fmt: skip
+
+    files = {"train": cfg.data.train_path, "sft": cfg.data.sft_path, "sft_val": cfg.data.sft_path}
+    named = {k: (rows, source(files[k] if cfg.data.task == "files" else None, k), "training")
+             for k, rows in training_sets(cfg).items()}  # fmt: skip
+    for n in cfg.eval.sets:
+        path = {"gsm8k": "gsm8k/test.jsonl", "math500": "math500/test.jsonl"}.get(n)
+        path = (
+            data_dir() / path
+            if path
+            else (None if n.startswith("synthetic") else n.partition(":")[0])
+        )
+        named[f"heldout_{set_label(n)}"] = (eval_set(n, cfg), source(path, n), "evaluation")
+    out = []
+    for name, (rows, src, context) in named.items():
+        with warnings.catch_warnings():  # schema hints, two equivalent local-file sources
+            warnings.simplefilter("ignore")
+            ds = mlflow.data.from_pandas(pd.DataFrame(rows), source=src, name=name)
+        tag = InputTag(key="mlflow.data.context", value=context)
+        out.append(DatasetInput(dataset=Dataset(**ds.to_dict()), tags=[tag]))
+    return out
 
 
 @task(name="build-reference")
@@ -93,8 +121,29 @@ def build_reference(cfg: Config, parent_id: str) -> str:
         for k in ("best_val_loss", "steps", "epochs", "seconds"):
             if k in summary:
                 c.log_metric(run_id, f"sft/{k}", float(summary[k]))
-        c.log_artifacts(run_id, str(out), "reference")
+        _log_reference_once(c, run_id, out)
     return str(out)
+
+
+def _log_reference_once(c: Any, run_id: str, ref: Path) -> None:
+    """Upload the reference model only the first time its digest is seen in the experiment;
+    later runs tag a link to that run (a real model's base is gigabytes, every night)."""
+    from grpo.launch.paths import file_digest
+
+    files = sorted(p for p in ref.iterdir() if p.is_file())
+    digest = hashlib.sha256("".join(f"{p.name}:{file_digest(p)}" for p in files).encode())
+    key = digest.hexdigest()[:16]
+    exp_id = c.get_run(run_id).info.experiment_id
+    found = c.search_runs(
+        [exp_id], f"tags.reference_digest = '{key}' and tags.reference_logged = 'true'",
+        max_results=1,
+    )  # fmt: skip
+    c.set_tag(run_id, "reference_digest", key)
+    if found:
+        c.set_tag(run_id, "reference_run_id", found[0].info.run_id)
+        return
+    c.log_artifacts(run_id, str(ref), "reference")
+    c.set_tag(run_id, "reference_logged", "true")
 
 
 @task(name="train-grpo", retries=1, retry_delay_seconds=5)
@@ -184,7 +233,7 @@ def evaluate(cfg: Config, parent_id: str, models: dict[str, str], run_dir: Path)
             )  # fmt: skip
             samples[label] = tracking.read_jsonl(out / "samples.jsonl")
             tracking.log_evaluation(cfg, run_id, reports[label], out, prefix=f"{label}/")
-        table, metrics = comparison(cfg.eval.sets, list(models), reports, samples)
+        table, metrics, paired = comparison(cfg.eval.sets, list(models), reports, samples)
         # the comparison on the parent run too: the runs list of the MLflow UI shows it directly
         for k, v in metrics.items():
             c.log_metric(parent_id, tracking.safe_key(k), v)
@@ -194,17 +243,19 @@ def evaluate(cfg: Config, parent_id: str, models: dict[str, str], run_dir: Path)
         c.log_table(run_id, data=pd.DataFrame(table), artifact_file="comparison.json")
         create_table_artifact(key="evaluation", table=table, description="held-out accuracy")
         create_markdown_artifact(key="evaluation-summary", markdown=_markdown(table))
-    return {"table": table, "metrics": metrics, "reports": reports}
+    return {"table": table, "metrics": metrics, "reports": reports, "paired": paired,
+            "markdown": _markdown(table)}  # fmt: skip
 
 
 def comparison(
     sets: list[str], labels: list[str], reports: dict[str, dict], samples: dict[str, list[dict]]
-) -> tuple[list[dict[str, Any]], dict[str, float]]:
+) -> tuple[list[dict[str, Any]], dict[str, float], dict[str, dict[str, dict]]]:
     """The table (one row per set: each model's accuracy, each model minus the reference with
-    a paired interval) and the flat metrics behind it."""
+    a paired interval), the flat metrics behind it, and the paired differences by model and set
+    (with "grpo_vs_champion" when a champion was evaluated)."""
     from grpo.eval.metrics import paired_difference
 
-    table, metrics = [], {}
+    table, metrics, paired = [], {}, {}
     for s in sets:
         row: dict[str, Any] = {"set": s}
         for label in labels:
@@ -223,8 +274,16 @@ def comparison(
             )
             row[f"{label} - ref"] = f"{d['diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]"
             metrics[f"{label}/eval/{s}/diff_vs_reference"] = d["diff"]
+            paired.setdefault(label, {})[s] = d
+        if "champion" in labels and "grpo" in labels:
+            d = paired_difference(
+                [r for r in samples["champion"] if r["set"] == s],
+                [r for r in samples["grpo"] if r["set"] == s],
+            )
+            row["grpo - champion"] = f"{d['diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]"
+            paired.setdefault("grpo_vs_champion", {})[s] = d
         table.append(row)
-    return table, metrics
+    return table, metrics, paired
 
 
 def _markdown(rows: list[dict[str, Any]]) -> str:
@@ -238,10 +297,25 @@ def _markdown(rows: list[dict[str, Any]]) -> str:
 
 @task(name="register-model", retries=2, retry_delay_seconds=5)
 def register_model(
-    cfg: Config, grpo_run_id: str, model_uri: str, metrics: dict[str, float]
+    cfg: Config, trained: dict[str, Any], reference: str, ev: dict, champ: dict[str, Any]
 ) -> dict[str, Any]:
     """Registry version with evaluation tags; challenger always, champion through the gate."""
+    from tasks.gate import describe, promotion_set
     from tasks.registry import register
 
+    metrics = ev["metrics"]
     own = {k.removeprefix("grpo/"): v for k, v in metrics.items() if k.startswith("grpo/")}
-    return register(cfg, grpo_run_id, model_uri, own)
+    s = promotion_set(cfg.tracking.promotion_metric)
+    vs_champion = ev["paired"].get("grpo_vs_champion", {}).get(s)
+    g = cfg.grpo
+    summary = {
+        "run_name": cfg.run_name, "steps": g.steps, "prompts": g.prompts_per_step,
+        "group": g.num_generations, "loss": g.loss_type, "lr": g.lr, "beta": g.beta,
+        "reference": reference, "data": f"{cfg.data.task} (digest {cfg.digest('data')})",
+    }  # fmt: skip
+    return register(
+        cfg, trained["run_id"], trained["model_uri"], own,
+        vs_reference=ev["paired"].get("grpo", {}).get(s), vs_champion=vs_champion,
+        champion_version=champ["version"],
+        description=describe(summary, ev["markdown"], "see the promotion tag"),
+    )  # fmt: skip

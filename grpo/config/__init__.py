@@ -70,6 +70,11 @@ class Config(Strict):
                 f"grpo.prompts_per_step ({self.grpo.prompts_per_step}) must be divisible by "
                 f"deepspeed.nproc ({world})"
             )
+        gate_set = self.tracking.promotion_metric.split("/")[1]
+        if gate_set not in [_set_name(n) for n in self.eval.sets]:
+            raise ValueError(
+                f"tracking.promotion_metric is about {gate_set!r}, which eval.sets does not hold"
+            )
         if not self.sft.enabled and not self.model.path:
             raise ValueError("sft.enabled=false needs model.path (a reference to start from)")
         return self
@@ -96,6 +101,12 @@ class Config(Strict):
 
         walk("", self.model_dump(mode="json"))
         return out
+
+
+def _set_name(name: str) -> str:
+    """The metric name of an eval set: its name, or its file's stem (tasks.validation.set_label
+    spells the same for data docs)."""
+    return Path(name.partition(":")[0]).stem if "/" in name or "." in name else name
 
 
 def _format_errors(err: ValidationError, source: str) -> str:

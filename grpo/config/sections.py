@@ -104,8 +104,16 @@ class EvalConfig(Strict):
 
 
 class TrackingConfig(Strict):
-    tracking_uri: str | None = Field(None, description="None: sqlite mlflow.db in the project")
+    tracking_uri: str | None = Field(
+        None, description="None: sqlite mlflow.db in the working directory"
+    )
     experiment: str = "grpo-tiny"
     registered_model: str = "grpo-tiny-math"
-    promotion_metric: str = "eval/synthetic/accuracy"
-    promotion_margin: float = 0.0
+    promotion_metric: str = Field(
+        "eval/synthetic/accuracy",
+        pattern=r"^eval/[^/]+/accuracy$",
+        description="eval/<set>/accuracy: the gate pairs greedy correctness on the same problems",
+    )
+    promotion_margin: float = Field(
+        0.005, ge=0, description="the 95% lower bound of candidate - champion must exceed it"
+    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,12 +41,37 @@ def base_model_dir(cfg: Config) -> Path:
     return out
 
 
+# the code an SFT reference depends on: a change to any of them builds a new reference
+SFT_CODE = ("engine/sft.py", "data/synthetic.py", "data/files.py", "data/sets.py",
+            "models/tiny.py", "models/prompts.py", "engine/deepspeed.json")  # fmt: skip
+
+
 def reference_dir(cfg: Config) -> Path:
-    """Where the SFT reference of this config lives (model.path itself when SFT is off)."""
+    """Where the SFT reference of this config lives (model.path itself when SFT is off).
+
+    Cached by a key over the config sections it depends on, the contents of its data files and
+    the code that builds it, so that an edited training file or SFT code never reuses a stale
+    reference.
+    """
     if not cfg.sft.enabled:
         return Path(cfg.model.path or "")
-    key = cfg.digest("model", "data", "sft", "seed")
-    return Path(cfg.output_dir) / "sft" / key
+    h = hashlib.sha256(cfg.digest("model", "data", "sft", "seed").encode())
+    for f in (cfg.data.train_path, cfg.data.sft_path):
+        if f and Path(f).is_file():
+            h.update(file_digest(Path(f)).encode())
+    root = Path(__file__).resolve().parents[1]
+    for name in SFT_CODE:
+        h.update((root / name).read_bytes())
+    return Path(cfg.output_dir) / "sft" / h.hexdigest()[:16]
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a file's contents, read in chunks."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def write_config(cfg: Config, path: Path) -> Path:

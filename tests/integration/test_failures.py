@@ -128,6 +128,6 @@ def test_two_pipelines_on_a_fresh_store_both_finish(tmp_path):
     c = MlflowClient(uri, uri)
     versions = c.search_model_versions("name='concurrent'")
     assert sorted(int(v.version) for v in versions) == [1, 2]
-    champion = c.get_model_version_by_alias("concurrent", "champion")
-    assert champion.version in {v.version for v in versions}
+    challenger = c.get_model_version_by_alias("concurrent", "challenger")
+    assert challenger.version in {v.version for v in versions}
     assert len(list((tmp_path / "runs" / "sft").glob("*/model.safetensors"))) == 1

@@ -92,14 +92,23 @@ def test_end_to_end_logs_registers_and_loads(store):
     val_files = files(by_name["validate"].info.run_id)
     assert "validation/data_docs/index.html" in val_files
     assert by_name["validate"].inputs.dataset_inputs  # datasets with digests
+    # the runs list's Dataset column: the parent holds them too, with their sources
+    sources = {d.dataset.name: d.dataset.source for d in parent.inputs.dataset_inputs}
+    assert {"train", "sft", "heldout_synthetic"} <= set(sources)
+    assert "grpo.data.synthetic" in sources["train"]
     eval_files = files(by_name["evaluate"].info.run_id)
     assert "comparison.json" in eval_files and "grpo/eval/report.json" in eval_files
     assert "grpo/eval/synthetic/accuracy" in parent.data.metrics
 
-    mv = c.get_model_version_by_alias("tiny-e2e", "champion")
+    mv = c.get_model_version_by_alias("tiny-e2e", "challenger")
     assert mv.run_id == grpo_run
-    assert "eval/synthetic/accuracy" in mv.tags
-    assert c.get_model_version_by_alias("tiny-e2e", "challenger").version == mv.version
+    assert (
+        "eval/synthetic/accuracy" in mv.tags
+        and mv.tags["promotion"] == result["registered"]["reason"]
+    )
+    assert "GRPO policy of run" in mv.description and "| synthetic |" in mv.description
+    # two steps of GRPO do not beat the reference beyond noise: the gate keeps it challenger
+    assert result["registered"]["champion"] == (mv.tags["gate/decision"] == "promoted")
 
     # models:/NAME@champion loads and generates
     from grpo.config import load_config
@@ -107,14 +116,19 @@ def test_end_to_end_logs_registers_and_loads(store):
     from tasks.registry import download_model
 
     cfg = load_config(CONFIG, _overrides(tmp))
-    path = download_model("models:/tiny-e2e@champion", cfg, str(tmp / "dl"))
+    path = download_model("models:/tiny-e2e@challenger", cfg, str(tmp / "dl"))
     tok, model = load_tokenizer(path), load_model(path, trainable=False)
     ids = tok(["12+3="], return_tensors="pt")
     out = model.generate(**ids, max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id)
     assert out.shape[1] > ids["input_ids"].shape[1]
 
 
-def test_promotion_gate_keeps_a_better_champion(store):
+def test_the_gate_on_real_registry_state(store):
+    """Paired evidence decides: worse or within noise of the champion is not promoted, clearly
+    better is; a champion that could not be evaluated (NaN) blocks; a first version that does
+    not beat its own reference does not become champion."""
+    import math
+
     from mlflow import MlflowClient
 
     from grpo.config import load_config
@@ -124,17 +138,42 @@ def test_promotion_gate_keeps_a_better_champion(store):
     cfg = load_config(CONFIG, _overrides(tmp, "tracking.registered_model=gate-test"))
     c = MlflowClient(uri, uri)
     exp = c.create_experiment("gate")
-    runs = [c.create_run(exp).info.run_id for _ in range(3)]
-    first = register(cfg, runs[0], f"runs:/{runs[0]}/policy", {"eval/synthetic/accuracy": 0.6})
+    runs = [c.create_run(exp).info.run_id for _ in range(6)]
+
+    def reg(i, vs_ref, vs_champ):
+        champ = c.get_registered_model("gate-test").aliases.get("champion") if i else None
+        return register(
+            cfg, runs[i], f"runs:/{runs[i]}/policy", {"eval/synthetic/accuracy": 0.5},
+            vs_reference=vs_ref, vs_champion=vs_champ, champion_version=champ,
+            description="test",
+        )  # fmt: skip
+
+    good_ref = {"diff": 0.15, "ci_low": 0.12, "ci_high": 0.18, "n": 1000.0}
+    flat_ref = {"diff": 0.01, "ci_low": -0.02, "ci_high": 0.04, "n": 1000.0}
+    first_flat = reg(0, flat_ref, None)
+    assert (
+        not first_flat["champion"] and "not better than its own reference" in first_flat["reason"]
+    )
+    first = reg(1, good_ref, None)
     assert first["champion"]
-    worse = register(cfg, runs[1], f"runs:/{runs[1]}/policy", {"eval/synthetic/accuracy": 0.5})
-    assert not worse["champion"] and "<=" in worse["reason"]
-    assert c.get_model_version_by_alias("gate-test", "champion").version == first["version"]
-    assert c.get_model_version_by_alias("gate-test", "challenger").version == worse["version"]
-    better = register(cfg, runs[2], f"runs:/{runs[2]}/policy", {"eval/synthetic/accuracy": 0.7})
+    worse = reg(2, good_ref, {"diff": -0.05, "ci_low": -0.08, "ci_high": -0.02, "n": 1000.0})
+    noise = reg(3, good_ref, {"diff": 0.01, "ci_low": -0.01, "ci_high": 0.03, "n": 1000.0})
+    nan = reg(4, good_ref, {"diff": math.nan, "ci_low": math.nan, "ci_high": math.nan, "n": 0.0})
+    for r, why in ((worse, "worse than champion"), (noise, "within noise"), (nan, "NaN")):
+        assert not r["champion"] and why in r["reason"], r
+        assert c.get_model_version_by_alias("gate-test", "champion").version == first["version"]
+    v = c.get_model_version("gate-test", worse["version"])
+    assert v.tags["gate/decision"] == "not promoted" and v.tags["gate/vs_champion/diff"]
+    assert "Promotion gate:" in v.description
+    assert c.get_model_version_by_alias("gate-test", "challenger").version == nan["version"]
+    better = reg(5, good_ref, {"diff": 0.06, "ci_low": 0.03, "ci_high": 0.09, "n": 1000.0})
     assert better["champion"]
-    promote(cfg, first["version"])  # manual rollback
+    promote(cfg, first["version"], reason="rollback drill")  # manual rollback, recorded
     assert c.get_model_version_by_alias("gate-test", "champion").version == first["version"]
+    assert (
+        "rollback drill"
+        in c.get_model_version("gate-test", first["version"]).tags["manual/champion"]
+    )
 
 
 def test_failing_validation_stops_before_training(store, tmp_path):
@@ -157,7 +196,14 @@ def test_failing_validation_stops_before_training(store, tmp_path):
     )
     with pytest.raises(DataValidationError) as err:
         grpo_pipeline(
-            PipelineParams(config=CONFIG, overrides=_overrides(tmp, f"eval.sets=[{leaked}]"))
+            PipelineParams(
+                config=CONFIG,
+                overrides=_overrides(
+                    tmp,
+                    f"eval.sets=[{leaked}]",
+                    f"tracking.promotion_metric=eval/{leaked.stem}/accuracy",
+                ),
+            )  # fmt: skip
         )
     msg = str(err.value)
     assert "in_training_data" in msg and "x1" in msg
@@ -177,6 +223,8 @@ def test_failing_validation_stops_before_training(store, tmp_path):
 
 
 def test_sft_reference_cache_hit(tmp_path):
+    import json
+
     from grpo.launch.runner import run_sft
     from tests.helpers import small_config
 
@@ -189,6 +237,18 @@ def test_sft_reference_cache_hit(tmp_path):
     assert any("cache hit" in m for m in messages)
     changed = run_sft(small_config(tmp_path, "sft.lr=0.001"), log=messages.append)
     assert changed != out  # a different SFT config is a different reference
+    # edited training data (same config) is a different reference too
+    from grpo.launch.paths import reference_dir
+
+    data = tmp_path / "sft.jsonl"
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1), "solution": f"<answer>{i + 1}</answer>"}
+            for i in range(20)]  # fmt: skip
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    files = small_config(tmp_path, "data.task=files", f"data.train_path={data}",
+                         f"data.sft_path={data}")  # fmt: skip
+    before = reference_dir(files)
+    data.write_text(data.read_text().replace('"1+1="', '"1 + 1 ="'))
+    assert reference_dir(files) != before
 
 
 def test_metrics_survive_an_unreachable_tracking_server(tmp_path, store):
@@ -218,3 +278,22 @@ def test_metrics_survive_an_unreachable_tracking_server(tmp_path, store):
         os.environ.pop("MLFLOW_HTTP_REQUEST_MAX_RETRIES")
     assert s.drain(attempts=2, delay_s=0.1) == 3
     assert [m.step for m in c.get_metric_history(run_id, "reward")] == [1, 2, 3]
+
+
+def test_the_reference_is_uploaded_once_and_linked_after(store, tmp_path):
+    from mlflow import MlflowClient
+
+    from tasks.stages import _log_reference_once
+
+    _, uri = store
+    c = MlflowClient(uri, uri)
+    exp = c.create_experiment("reference-once")
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    (ref / "model.safetensors").write_bytes(b"weights")
+    first, second = (c.create_run(exp).info.run_id for _ in range(2))
+    _log_reference_once(c, first, ref)
+    _log_reference_once(c, second, ref)
+    assert [f.path for f in c.list_artifacts(first, "reference")] == ["reference/model.safetensors"]
+    assert c.list_artifacts(second, "reference") == []
+    assert c.get_run(second).data.tags["reference_run_id"] == first

@@ -14,6 +14,7 @@ import pytest
 from tests.helpers import small_config
 
 pytestmark = pytest.mark.slow
+BETTER = {"diff": 0.2, "ci_low": 0.1, "ci_high": 0.3, "n": 100.0}  # than its own reference
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,9 @@ def champion(tmp_path_factory):
     run = c.create_run(c.create_experiment("serving")).info.run_id
     model_uri = log_policy(run, base_model_dir(cfg), {"chat_template": False, "system_prompt": "",
                                                       "max_new_tokens": 6})  # fmt: skip
-    reg = register(cfg, run, model_uri, {"eval/synthetic/accuracy": 0.5})
+    reg = register(cfg, run, model_uri, {"eval/synthetic/accuracy": 0.5}, vs_reference=BETTER,
+                   vs_champion=None, champion_version=None)  # fmt: skip
+    assert reg["champion"]
     yield cfg, uri, reg, run, model_uri
     if old is None:
         os.environ.pop("MLFLOW_TRACKING_URI", None)
@@ -53,7 +56,8 @@ def test_the_champion_loads_with_pyfunc_and_registration_is_idempotent(champion)
     assert len(out) == 2 and all(isinstance(x, str) for x in out)
     assert model.metadata.get_input_schema() is not None  # a signature, not an empty schema
     # a retry of the registration (Prefect retries it) reuses the version of the same run
-    again = register(cfg, run, model_uri, {"eval/synthetic/pass@2": 0.7})
+    again = register(cfg, run, model_uri, {"eval/synthetic/pass@2": 0.7}, vs_reference=BETTER,
+                     vs_champion=None, champion_version=None)  # fmt: skip
     c = MlflowClient(uri, uri)
     assert again["version"] == reg["version"]
     assert len(c.search_model_versions("name='served'")) == 1
