@@ -88,8 +88,9 @@ def promotion_set(metric: str) -> str:
     return parts[1]
 
 
-def describe(cfg_summary: dict[str, Any], table_md: str, reason: str) -> str:
-    """The model version's description: what was trained, from what, on what, and the result."""
+def describe(cfg_summary: dict[str, Any], table_md: str) -> str:
+    """The model version's description: what was trained, from what, on what, and the result
+    (the registry appends the gate's decision)."""
     lines = [
         f"GRPO policy of run `{cfg_summary['run_name']}`: {cfg_summary['steps']} steps of "
         f"{cfg_summary['prompts']} prompts x {cfg_summary['group']} completions, "
@@ -100,7 +101,5 @@ def describe(cfg_summary: dict[str, Any], table_md: str, reason: str) -> str:
         "Held-out evaluation (greedy pass@1, 95% intervals):",
         "",
         table_md,
-        "",
-        f"Promotion gate: {reason}",
     ]
     return "\n".join(lines)

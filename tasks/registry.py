@@ -53,8 +53,8 @@ def register(
     c.set_registered_model_alias(name, "challenger", mv.version)
     if promoted:
         c.set_registered_model_alias(name, "champion", mv.version)
-    text = description + ("" if description.endswith(reason) else f"\n\nPromotion gate: {reason}")
-    c.update_model_version(name, mv.version, description=text.strip())
+    text = f"{description}\n\nPromotion gate: {reason}".strip()
+    c.update_model_version(name, mv.version, description=text)
     return {"name": name, "version": mv.version, "champion": promoted, "reason": reason}
 
 

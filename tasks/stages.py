@@ -317,5 +317,5 @@ def register_model(
         cfg, trained["run_id"], trained["model_uri"], own,
         vs_reference=ev["paired"].get("grpo", {}).get(s), vs_champion=vs_champion,
         champion_version=champ["version"],
-        description=describe(summary, ev["markdown"], "see the promotion tag"),
+        description=describe(summary, ev["markdown"]),
     )  # fmt: skip
