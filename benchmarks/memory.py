@@ -126,8 +126,8 @@ def main() -> None:
                      f"| {wall:.0f} |")  # fmt: skip
     lines += [
         "",
-        "Resident memory includes the rank's Python, torch and DeepSpeed (about 0.6 GiB with a "
-        "tiny model). On a GPU the weights, gradients and optimizer states move to GPU memory; "
+        "Resident memory includes the rank's Python, torch and DeepSpeed. On a GPU the weights, "
+        "gradients and optimizer states move to GPU memory; "
         "`benchmarks/gpu_check.py` measures that.",
         "",
     ]

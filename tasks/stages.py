@@ -74,8 +74,8 @@ def dataset_inputs(cfg: Config) -> list[Any]:
     from mlflow.data.code_dataset_source import CodeDatasetSource
     from mlflow.entities import Dataset, DatasetInput, InputTag
 
-    from grpo.data.sets import data_dir, eval_set, training_sets
-    from tasks.validation import set_label
+    from grpo.config import set_label
+    from grpo.data.sets import eval_set, eval_set_file, training_sets
 
     def source(path: str | Path | None, what: str) -> Any:
         if path:  # MLflow resolves a file URI to its local-file source
@@ -87,12 +87,7 @@ def dataset_inputs(cfg: Config) -> list[Any]:
     named = {k: (rows, source(files[k] if cfg.data.task == "files" else None, k), "training")
              for k, rows in training_sets(cfg).items()}  # fmt: skip
     for n in cfg.eval.sets:
-        path = {"gsm8k": "gsm8k/test.jsonl", "math500": "math500/test.jsonl"}.get(n)
-        path = (
-            data_dir() / path
-            if path
-            else (None if n.startswith("synthetic") else n.partition(":")[0])
-        )
+        path = eval_set_file(n)
         named[f"heldout_{set_label(n)}"] = (eval_set(n, cfg), source(path, n), "evaluation")
     out = []
     for name, (rows, src, context) in named.items():

@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from grpo.config import Config
+from grpo.config import Config, set_label
 from grpo.data.sets import eval_set, training_sets
 from grpo.launch.paths import base_model_dir
 from grpo.models.loading import load_tokenizer
@@ -20,12 +20,6 @@ from reward_fns import gold_parses
 
 class DataValidationError(ValueError):
     """A dataset failed its expectation suite."""
-
-
-def set_label(name: str) -> str:
-    """A file-system-safe label for an eval set name or path ('data/my set.jsonl' -> 'my_set')."""
-    stem = Path(name.partition(":")[0]).stem if "/" in name or "." in name else name
-    return re.sub(r"[^A-Za-z0-9_-]", "_", stem)
 
 
 def normalise(text: str) -> str:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from grpo.config import Config, load_config
@@ -62,3 +65,17 @@ def per_token(adv, ro):  # noqa: ANN201
     """Outcome advantages [N] broadcast over the rollout's completion tokens [N, C], as the
     scoring step does."""
     return adv.unsqueeze(1).expand(ro.completion_ids.shape)
+
+
+@contextlib.contextmanager
+def tracking_uri(uri: str) -> Iterator[str]:
+    """MLFLOW_TRACKING_URI set to uri for the block, the previous value restored after."""
+    old = os.environ.get("MLFLOW_TRACKING_URI")
+    os.environ["MLFLOW_TRACKING_URI"] = uri
+    try:
+        yield uri
+    finally:
+        if old is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = old

@@ -27,6 +27,7 @@ from grpo.config.sections import (
     SFTConfig,
     TinyModelConfig,
     TrackingConfig,
+    set_label,
 )
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "TrackingConfig",
     "apply_overrides",
     "load_config",
+    "set_label",
 ]
 
 
@@ -71,7 +73,7 @@ class Config(Strict):
                 f"deepspeed.nproc ({world})"
             )
         gate_set = self.tracking.promotion_metric.split("/")[1]
-        if gate_set not in [_set_name(n) for n in self.eval.sets]:
+        if gate_set not in [set_label(n) for n in self.eval.sets]:
             raise ValueError(
                 f"tracking.promotion_metric is about {gate_set!r}, which eval.sets does not hold"
             )
@@ -101,12 +103,6 @@ class Config(Strict):
 
         walk("", self.model_dump(mode="json"))
         return out
-
-
-def _set_name(name: str) -> str:
-    """The metric name of an eval set: its name, or its file's stem (tasks.validation.set_label
-    spells the same for data docs)."""
-    return Path(name.partition(":")[0]).stem if "/" in name or "." in name else name
 
 
 def _format_errors(err: ValidationError, source: str) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from grpo.config.base import Strict, one_of
 
@@ -76,33 +76,10 @@ class GRPOConfig(Strict):
         """The one decision whether a frozen reference model is loaded: only for a KL term."""
         return self.beta > 0
 
-    @field_validator("loss_type")
+    @field_validator("loss_type", "importance_level", "advantage_mode", "process_reward")
     @classmethod
-    def _loss_type(cls, v: str) -> str:
-        from grpo.algo.loss import LOSS_AGGREGATIONS
-
-        return one_of("loss_type", v, tuple(LOSS_AGGREGATIONS))
-
-    @field_validator("importance_level")
-    @classmethod
-    def _importance_level(cls, v: str) -> str:
-        from grpo.algo.loss import IMPORTANCE_LEVELS
-
-        return one_of("importance_level", v, IMPORTANCE_LEVELS)
-
-    @field_validator("advantage_mode")
-    @classmethod
-    def _advantage_mode(cls, v: str) -> str:
-        from grpo.algo.advantages import advantage_modes
-
-        return one_of("advantage_mode", v, advantage_modes())
-
-    @field_validator("process_reward")
-    @classmethod
-    def _process_reward(cls, v: str) -> str:
-        from reward_fns import PROCESS_REWARDS
-
-        return one_of("process_reward", v, list(PROCESS_REWARDS))
+    def _registered(cls, v: str, info: ValidationInfo) -> str:
+        return one_of(info.field_name, v, _registered_names()[info.field_name])
 
     @field_validator("reward_funcs")
     @classmethod
@@ -126,3 +103,17 @@ class GRPOConfig(Strict):
         ):
             raise ValueError("soft_overlong needs 0 < overlong_cache <= max_completion_length")
         return self
+
+
+def _registered_names() -> dict[str, tuple[str, ...]]:
+    """The allowed values of each registry-named field, read from the registries."""
+    from grpo.algo.advantages import advantage_modes
+    from grpo.algo.loss import IMPORTANCE_LEVELS, LOSS_AGGREGATIONS
+    from reward_fns import PROCESS_REWARDS
+
+    return {
+        "loss_type": tuple(LOSS_AGGREGATIONS),
+        "importance_level": IMPORTANCE_LEVELS,
+        "advantage_mode": advantage_modes(),
+        "process_reward": tuple(PROCESS_REWARDS),
+    }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -91,6 +93,12 @@ class DeepSpeedConfig(Strict):
     hostfile: str | None = Field(None, description="DeepSpeed hostfile for several nodes")
     master_port: int = Field(29511, gt=1024, lt=65536)
     timeout_s: int = Field(600, gt=0, description="collective timeout: a dead rank fails others")
+
+
+def set_label(name: str) -> str:
+    """A file-system-safe label for an eval set name or path ('data/my set.jsonl' -> 'my_set')."""
+    stem = Path(name.partition(":")[0]).stem if "/" in name or "." in name else name
+    return re.sub(r"[^A-Za-z0-9_-]", "_", stem)
 
 
 class EvalConfig(Strict):

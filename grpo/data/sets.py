@@ -59,6 +59,18 @@ def _load_file(path: str | None, cfg: Config, solution: bool) -> list[dict[str, 
     )
 
 
+NAMED_FILES = {"gsm8k": "gsm8k/test.jsonl", "math500": "math500/test.jsonl"}
+
+
+def eval_set_file(name: str) -> Path | None:
+    """The file an eval set is read from; None for the synthetic sets (generated)."""
+    if name in ("synthetic", "synthetic_ood"):
+        return None
+    if name in NAMED_FILES:
+        return data_dir() / NAMED_FILES[name]
+    return Path(name.partition(":")[0])
+
+
 def eval_set(name: str, cfg: Config) -> list[dict[str, Any]]:
     """A held-out set by name, or 'path[:prompt=col,answer=col,id=col]'."""
     if name in ("synthetic", "synthetic_ood"):
@@ -67,9 +79,9 @@ def eval_set(name: str, cfg: Config) -> list[dict[str, Any]]:
         sets = make_sets(cfg.data)
         return sets["heldout" if name == "synthetic" else "heldout_ood"]
     if name == "gsm8k":
-        return gsm8k_rows(data_dir() / "gsm8k" / "test.jsonl")
+        return gsm8k_rows(eval_set_file(name))
     if name == "math500":
-        return math500_rows(data_dir() / "math500" / "test.jsonl")
+        return math500_rows(eval_set_file(name))
     path, _, mapping = name.partition(":")
     if not Path(path).suffix:
         raise DataError(f"unknown eval set {name!r}; use one of {EVAL_SETS} or a file path")

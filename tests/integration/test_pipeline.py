@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import SMALL
+from tests.helpers import SMALL, tracking_uri
 
 pytestmark = pytest.mark.slow
 
@@ -18,15 +18,9 @@ def store(tmp_path_factory):
     from prefect.testing.utilities import prefect_test_harness
 
     tmp = tmp_path_factory.mktemp("pipeline")
-    uri = f"sqlite:///{tmp / 'mlflow.db'}"
-    old = os.environ.get("MLFLOW_TRACKING_URI")
-    os.environ["MLFLOW_TRACKING_URI"] = uri
-    with prefect_test_harness(server_startup_timeout=120):
-        yield tmp, uri
-    if old is None:
-        os.environ.pop("MLFLOW_TRACKING_URI", None)
-    else:
-        os.environ["MLFLOW_TRACKING_URI"] = old
+    with tracking_uri(f"sqlite:///{tmp / 'mlflow.db'}") as uri:
+        with prefect_test_harness(server_startup_timeout=120):
+            yield tmp, uri
 
 
 def _overrides(tmp: Path, *extra: str) -> list[str]:

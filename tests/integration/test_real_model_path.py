@@ -2,13 +2,12 @@
 BPE tokenizer and chat template, several EOS ids, offsets, logits kept, the whole pipeline."""
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import ROOT, small_config
+from tests.helpers import ROOT, small_config, tracking_uri
 from tests.realistic_model import build_realistic_model, digit_merging_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -152,16 +151,9 @@ def test_the_pipeline_runs_on_a_real_architecture(real_dir, tmp_path):
         "eval.limit=6", "eval.max_new_tokens=12", f"output_dir={tmp_path / 'runs'}",
         "tracking.registered_model=realistic-e2e", "tracking.promotion_metric=eval/gsm8k/accuracy",
     ]  # fmt: skip
-    old = os.environ.get("MLFLOW_TRACKING_URI")
-    os.environ["MLFLOW_TRACKING_URI"] = uri
-    try:
-        with prefect_test_harness(server_startup_timeout=120):
-            result = grpo_pipeline(
-                PipelineParams(config=str(ROOT / "configs/tiny.yaml"), overrides=overrides)
-            )
-    finally:
-        os.environ.pop("MLFLOW_TRACKING_URI") if old is None else os.environ.update(
-            MLFLOW_TRACKING_URI=old
+    with tracking_uri(uri), prefect_test_harness(server_startup_timeout=120):
+        result = grpo_pipeline(
+            PipelineParams(config=str(ROOT / "configs/tiny.yaml"), overrides=overrides)
         )
     c = MlflowClient(uri, uri)
     parent = c.get_run(result["parent_run_id"])

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import small_config
+from tests.helpers import small_config, tracking_uri
 
 pytestmark = pytest.mark.slow
 BETTER = {"diff": 0.2, "ci_low": 0.1, "ci_high": 0.3, "n": 100.0}  # than its own reference
@@ -21,9 +21,11 @@ BETTER = {"diff": 0.2, "ci_low": 0.1, "ci_high": 0.3, "n": 100.0}  # than its ow
 def champion(tmp_path_factory):
     """A tiny policy logged as an MLflow model and registered as @champion in a fresh store."""
     tmp = tmp_path_factory.mktemp("serving")
-    uri = f"sqlite:///{tmp / 'mlflow.db'}"
-    old = os.environ.get("MLFLOW_TRACKING_URI")
-    os.environ["MLFLOW_TRACKING_URI"] = uri
+    with tracking_uri(f"sqlite:///{tmp / 'mlflow.db'}") as uri:
+        yield _register_champion(tmp, uri)
+
+
+def _register_champion(tmp, uri):
     from grpo.launch.paths import base_model_dir
     from tasks import tracking
     from tasks.registry import register
@@ -37,11 +39,7 @@ def champion(tmp_path_factory):
     reg = register(cfg, run, model_uri, {"eval/synthetic/accuracy": 0.5}, vs_reference=BETTER,
                    vs_champion=None, champion_version=None)  # fmt: skip
     assert reg["champion"]
-    yield cfg, uri, reg, run, model_uri
-    if old is None:
-        os.environ.pop("MLFLOW_TRACKING_URI", None)
-    else:
-        os.environ["MLFLOW_TRACKING_URI"] = old
+    return cfg, uri, reg, run, model_uri
 
 
 def test_the_champion_loads_with_pyfunc_and_registration_is_idempotent(champion):
