@@ -122,7 +122,8 @@ def cmd_promote(a: argparse.Namespace) -> None:
 def cmd_serve(a: argparse.Namespace) -> None:
     from flows.serve import serve
 
-    serve(a.config, prefect_port=a.prefect_port, mlflow_port=a.mlflow_port)
+    serve(a.config, prefect_port=a.prefect_port, mlflow_port=a.mlflow_port,
+          state_dir=a.state_dir, pool=a.pool)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -162,6 +163,8 @@ def main(argv: list[str] | None = None) -> None:
     sv = add("serve", cmd_serve, "local Prefect + MLflow servers, deployment and worker")
     sv.add_argument("--prefect-port", type=int, default=4200)
     sv.add_argument("--mlflow-port", type=int, default=5000)
+    sv.add_argument("--state-dir", help="servers' stores and logs (default: the project)")
+    sv.add_argument("--pool", default="grpo-process-pool", help="work pool the worker serves")
     a = p.parse_args(argv)
     if a.debug:
         os.environ["GRPO_DEBUG"] = "1"  # ranks print their tracebacks too

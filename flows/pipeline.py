@@ -44,6 +44,7 @@ def grpo_pipeline(params: PipelineParams = PipelineParams()) -> dict[str, Any]: 
               "pipeline_version": tracking.package_version()},
     )  # fmt: skip
     pid = parent.info.run_id
+    _link_mlflow_run(tracking.tracking_uri(cfg), exp_id, pid)
     run_dir = Path(cfg.output_dir) / cfg.run_name / pid
     run_dir.mkdir(parents=True, exist_ok=True)
     tracking.log_params(c, pid, tracking.safe_params(cfg))
@@ -71,6 +72,16 @@ def grpo_pipeline(params: PipelineParams = PipelineParams()) -> dict[str, Any]: 
               "seconds": time.time() - t0, "tracking_uri": tracking.tracking_uri(cfg)}  # fmt: skip
     _print_summary(result)
     return result
+
+
+def _link_mlflow_run(uri: str, exp_id: str, run_id: str) -> None:
+    """A link artifact on the Prefect flow run to its MLflow run, when MLflow is a server
+    (a sqlite store has no address a browser could open)."""
+    if uri.startswith(("http://", "https://")):
+        from prefect.artifacts import create_link_artifact
+
+        url = f"{uri.rstrip('/')}/#/experiments/{exp_id}/runs/{run_id}"
+        create_link_artifact(key="mlflow-run", link=url, link_text=f"MLflow run {run_id}")
 
 
 def _print_summary(r: dict[str, Any]) -> None:
