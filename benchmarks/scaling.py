@@ -66,7 +66,7 @@ def main() -> None:
             return statistics.median(r[k] for r in rows)
 
         for r in rows:  # the table's "generation" column: sampling plus scoring
-            r["generation"] = r["time/sampling"] + r["time/scoring"]
+            r["generation"] = r["time/sampling"] + r["time/advantages"]
 
         n = cfg.grpo.prompts_per_step * cfg.grpo.num_generations
         lines.append(

@@ -68,7 +68,7 @@ def run_ours(model: str, steps: int, out: str, beta: float, train_all: bool = Fa
     return {
         "step_time": [r["step_time"] for r in rows],
         # sampling plus scoring and advantages: what TRL's generation phase also covers
-        "generation": [r["time/sampling"] + r["time/scoring"] for r in rows],
+        "generation": [r["time/sampling"] + r["time/advantages"] for r in rows],
         "reference": [r["time/reference"] for r in rows],
         "training": [r["time/training"] for r in rows],
         "tokens": [r["completions/mean_length"] * 32 for r in rows],

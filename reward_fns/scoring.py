@@ -1,9 +1,11 @@
 """Turning config entries into reward functions, and weighted scoring with errors that say which
 function failed.
 
-A reward function has TRL's signature: fn(completions, **columns) -> list[float | None]. None
-means "not applicable" and is left out of that completion's weighted sum. Config entries are
-registry names (reward_fns.registry) or import paths ("my_pkg.rewards:fn").
+A reward function has TRL's signature: fn(completions, **kwargs) -> list[float | None], called
+with keyword arguments only, as TRL calls it (so `def f(completion_ids, **kw)` works); they are
+listed in reward_fns/__init__.py. None means "not applicable"
+and is left out of that completion's weighted sum. Config entries are registry names
+(reward_fns.registry) or import paths ("my_pkg.rewards:fn").
 """
 
 from __future__ import annotations
@@ -50,12 +52,12 @@ def with_time_limit(name: str, fn: RewardFn, seconds: float) -> RewardFn:
     (math-verify limits) and are not wrapped.
     """
 
-    def limited(completions: Sequence[Any], **columns: Any) -> list:
+    def limited(*, completions: Sequence[Any], **columns: Any) -> list:
         box: dict[str, Any] = {}
 
         def target() -> None:
             try:
-                box["out"] = fn(completions, **columns)
+                box["out"] = fn(completions=completions, **columns)
             except Exception as e:  # noqa: BLE001 - re-raised in the caller's thread
                 box["err"] = e
 
@@ -74,16 +76,20 @@ def with_time_limit(name: str, fn: RewardFn, seconds: float) -> RewardFn:
     return limited
 
 
-def _call(name: str, fn: RewardFn, completions: Sequence[Any], columns: Mapping) -> list:
+def _call(
+    name: str, fn: RewardFn, completions: Sequence[Any], columns: Mapping, shared: Mapping
+) -> list:
     try:
-        out = list(fn(completions, **columns))
+        out = list(fn(completions=completions, **columns, **shared))
     except RewardFunctionError:
         raise
     except Exception as batch_error:
         # find the first completion that makes it fail, so the error can name it
         for i in range(len(completions)):
             try:
-                fn(completions[i : i + 1], **{k: v[i : i + 1] for k, v in columns.items()})
+                fn(completions=completions[i : i + 1],
+                   **{k: v[i : i + 1] for k, v in columns.items()},
+                   **{k: _discard if k in _LOGGERS else v for k, v in shared.items()})  # fmt: skip
             except Exception as e:
                 raise RewardFunctionError(
                     f"reward function {name!r} raised on completion {i}: {type(e).__name__}: {e}"
@@ -106,19 +112,30 @@ def _call(name: str, fn: RewardFn, completions: Sequence[Any], columns: Mapping)
     return out
 
 
+_LOGGERS = ("log_extra", "log_metric")
+
+
+def _discard(*args: Any) -> None:
+    """log_extra/log_metric while one completion at a time is retried to find a failing one."""
+
+
 def score(
     funcs: Mapping[str, RewardFn],
     weights: Sequence[float],
     completions: Sequence[Any],
     columns: Mapping[str, Sequence[Any]],
+    shared: Mapping[str, Any] | None = None,
 ) -> tuple[list[float], dict[str, list[float | None]]]:
     """Weighted reward per completion and each function's raw scores.
 
-    A None score is left out of that completion's sum (the other functions still count).
+    columns: one value per completion each; shared: keyword arguments passed whole to every
+    function (trainer_state, log_extra, log_metric). A None score is left out of that
+    completion's sum (the other functions still count).
     """
     if len(weights) != len(funcs):
         raise ValueError(f"reward_weights: {len(weights)} weights for {len(funcs)} functions")
-    per_fn = {name: _call(name, fn, completions, columns) for name, fn in funcs.items()}
+    shared = shared or {}
+    per_fn = {name: _call(name, fn, completions, columns, shared) for name, fn in funcs.items()}
     totals = []
     for i in range(len(completions)):
         vals = [(w, per_fn[n][i]) for n, w in zip(per_fn, weights)]

@@ -64,8 +64,8 @@ def _suite(name: str, df: Any, kind: str, min_rows: int, max_prompt_tokens: int)
     # an unparseable gold answer makes every completion score 0: no signal, wrong accuracy
     suite.add_expectation(gxe.ExpectColumnValuesToBeInSet(column="answer_parses", value_set=[True]))
     if kind == "sft":
-        suite.add_expectation(gxe.ExpectColumnToExist(column="solution"))
-        suite.add_expectation(gxe.ExpectColumnValuesToNotBeNull(column="solution"))
+        suite.add_expectation(gxe.ExpectColumnToExist(column="worked_solution"))
+        suite.add_expectation(gxe.ExpectColumnValuesToNotBeNull(column="worked_solution"))
     if kind == "heldout":
         # contamination: a held-out prompt seen in training makes accuracy meaningless
         suite.add_expectation(

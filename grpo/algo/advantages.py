@@ -55,6 +55,13 @@ def _center(r: torch.Tensor, eps: float) -> torch.Tensor:
     return r - r.mean(dim=1, keepdim=True)
 
 
+@advantage_estimator("batch_std")
+def _batch_std(r: torch.Tensor, eps: float) -> torch.Tensor:
+    """(r - group mean) / (std of all rewards of the batch + eps): TRL's scale_rewards="batch"
+    (the batch is this rank's; a batch of equal rewards gives zeros)."""
+    return (r - r.mean(dim=1, keepdim=True)) / (r.std(unbiased=False) + eps)
+
+
 @advantage_estimator("loo")
 def _leave_one_out(r: torch.Tensor, eps: float) -> torch.Tensor:
     """r_i - mean of the other G - 1 rewards (RLOO)."""

@@ -17,6 +17,10 @@ import torch
 Aggregation = Callable[..., torch.Tensor]
 LOSS_AGGREGATIONS: dict[str, Aggregation] = {}
 IMPORTANCE_LEVELS = ("token", "sequence")
+# bounds that keep exp() and k3 finite when pi_theta and pi_old (or pi_ref) drift far apart, as
+# verl does; the share of tokens that hit them is logged (clamp/log_ratio_frac, clamp/k3_frac)
+LOG_RATIO_CLAMP = 20.0
+K3_CLAMP = 10.0
 
 
 def loss_aggregation(name: str) -> Callable[[Aggregation], Aggregation]:
@@ -66,9 +70,13 @@ def _global_token_mean(
 
 
 def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimator of KL(pi_theta || pi_ref): exp(d) - d - 1, d = ref - logp; >= 0."""
-    delta = ref_logps - logps
-    return torch.exp(delta) - delta - 1.0
+    """Per-token k3 estimator of KL(pi_theta || pi_ref): exp(d) - d - 1, d = ref - logp; >= 0.
+
+    d is clamped to +-LOG_RATIO_CLAMP and the estimate to K3_CLAMP, so that one token far from
+    the reference cannot make the loss infinite (a clamped token passes no gradient).
+    """
+    delta = torch.clamp(ref_logps - logps, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.clamp(torch.exp(delta) - delta - 1.0, max=K3_CLAMP)
 
 
 def aggregate(
@@ -145,10 +153,13 @@ def policy_loss(
 
     log_ratio = logps - old_logps  # [N, T]
     if importance_level == "sequence":
-        # GSPO: one ratio per sequence, the geometric mean of its token ratios
+        # GSPO: one ratio per sequence, the geometric mean of its token ratios; every token of
+        # the sequence carries it, so aggregation "grpo" weights sequences equally (the paper)
+        # and the token-weighted ones weight them by length (docs/ALGORITHM.md)
         seq = (log_ratio * m).sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1.0)
         log_ratio = seq.expand_as(logps)  # [N, T]
-    ratio = torch.exp(log_ratio)
+    clamped_lr = (log_ratio.detach().abs() > LOG_RATIO_CLAMP).to(m.dtype)
+    ratio = torch.exp(torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
     per_token = -torch.min(ratio * adv, clipped * adv)  # [N, T]
 
@@ -158,6 +169,7 @@ def policy_loss(
         if beta != 0.0:
             per_token = per_token + beta * kl
         metrics["kl"] = _masked_mean(kl.detach(), m)
+        metrics["clamp/k3_frac"] = _masked_mean((kl.detach() >= K3_CLAMP).to(m.dtype), m)
     elif beta != 0.0:
         raise ValueError("ref_logps: required when beta != 0")
 
@@ -171,6 +183,7 @@ def policy_loss(
         metrics["clip_ratio/high_mean"] = _masked_mean(high, m)
         metrics["clip_ratio/region_mean"] = _masked_mean(low + high, m)
         metrics["ratio_mean"] = _masked_mean(ratio, m)
+        metrics["clamp/log_ratio_frac"] = _masked_mean(clamped_lr, m)
         metrics["active_tokens"] = float(m.sum())
     return loss, metrics
 

@@ -29,6 +29,7 @@ from grpo.config.sections import (
     TrackingConfig,
     set_label,
 )
+from grpo.config.trl_names import hoist_flat_trl_keys
 
 __all__ = [
     "Config",
@@ -63,6 +64,13 @@ class Config(Strict):
     deepspeed: DeepSpeedConfig = DeepSpeedConfig()
     eval: EvalConfig = EvalConfig()
     tracking: TrackingConfig = TrackingConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_trl_config(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return hoist_flat_trl_keys(data, set(GRPOConfig.model_fields))
 
     @model_validator(mode="after")
     def _check(self) -> Config:

@@ -3,11 +3,12 @@ checked against their registries (grpo.algo, reward_fns.registry), never against
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from grpo.config.base import Strict, one_of
+from grpo.config.trl_names import rename_trl_keys
 
 
 class GRPOConfig(Strict):
@@ -26,7 +27,11 @@ class GRPOConfig(Strict):
     beta: float = Field(0.0, ge=0, description="KL weight; 0 never loads the reference")
     eps_low: float = Field(0.2, gt=0, lt=1, description="clip range below 1")
     eps_high: float = Field(0.28, gt=0, description="clip range above 1 (clip-higher, DAPO)")
-    loss_type: str = Field("dapo", description="a name in grpo.algo.loss.LOSS_AGGREGATIONS")
+    loss_type: str = Field(
+        "dapo",
+        description="a name in grpo.algo.loss.LOSS_AGGREGATIONS; unset with importance_level "
+        "sequence it is grpo (each sequence weighted equally, as the GSPO paper)",
+    )
     importance_level: str = Field("token", description="token, or sequence (GSPO)")
     advantage_mode: str = Field(
         "zscore", description="a name in grpo.algo.advantages.ADVANTAGE_ESTIMATORS, or process"
@@ -35,6 +40,11 @@ class GRPOConfig(Strict):
         "arithmetic_steps", description="step-level reward for advantage_mode 'process'"
     )
     mu: int = Field(1, ge=1, description="policy updates per rollout batch")
+    old_logprobs: Literal["recompute", "sampler"] = Field(
+        "recompute",
+        description="pi_old for mu > 1: the training forward of the first pass (recompute, "
+        "free: it runs anyway) or the sampler's log-probs (sampler)",
+    )
     micro_batch_size: int = Field(
         256, gt=0, description="completions per forward/backward (256: one per step on CPU)"
     )
@@ -71,6 +81,11 @@ class GRPOConfig(Strict):
     eval_limit: int = Field(300, gt=0, description="held-out problems for the in-run curve")
     on_nonfinite: Literal["skip", "stop"] = "skip"
 
+    @model_validator(mode="before")
+    @classmethod
+    def _trl_names(cls, data: Any) -> Any:
+        return rename_trl_keys(data) if isinstance(data, dict) else data
+
     @property
     def uses_reference(self) -> bool:
         """The one decision whether a frozen reference model is loaded: only for a KL term."""
@@ -93,6 +108,9 @@ class GRPOConfig(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> GRPOConfig:
+        if self.importance_level == "sequence" and "loss_type" not in self.model_fields_set:
+            # GSPO weights sequences equally; a token-weighted default would weight by length
+            object.__setattr__(self, "loss_type", "grpo")
         if len(self.reward_weights) != len(self.reward_funcs):
             raise ValueError(
                 f"reward_weights has {len(self.reward_weights)} entries for "

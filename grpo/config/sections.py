@@ -6,9 +6,10 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from grpo.config.base import Strict
+from grpo.config.trl_names import FP16_REFUSED
 
 
 class TinyModelConfig(Strict):
@@ -36,6 +37,13 @@ class ModelConfig(Strict):
         "transformers generate (hf), or fast for a supported architecture on the CPU (auto)",
     )
 
+    @field_validator("dtype")
+    @classmethod
+    def _no_fp16(cls, v: str) -> str:
+        if v == "float16":
+            raise ValueError(FP16_REFUSED)
+        return v
+
 
 class DataConfig(Strict):
     task: Literal["synthetic", "files"] = Field(
@@ -54,7 +62,10 @@ class DataConfig(Strict):
     train_path: str | None = Field(None, description="JSONL/Parquet of RL prompts (files)")
     prompt_column: str = "prompt"
     answer_column: str = "answer"
-    solution_column: str = "solution"
+    worked_solution_column: str = Field(
+        "worked_solution",
+        description="SFT files: the worked solution (`solution` is the gold answer, as in open-r1)",
+    )
     gsm8k_solutions: bool = Field(
         False, description="files: GSM8K rows ('question', 'answer' with '#### x')"
     )

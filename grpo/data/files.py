@@ -56,16 +56,21 @@ def normalize(
     *,
     prompt: str = "prompt",
     answer: str = "answer",
-    solution: str | None = None,
+    worked_solution: str | None = None,
     id_column: str | None = "id",
 ) -> list[dict[str, Any]]:
-    """Map raw rows to the schema, checking presence and types; ids are made when absent."""
+    """Map raw rows to the schema, checking presence and types; ids are made when absent.
+
+    Other scalar columns pass through (reward functions receive them). `solution` is the gold
+    answer unless the file has a `solution` column of its own (the open-r1 convention).
+    """
     if not rows:
         raise DataError(f"{source}: no rows")
     out, seen = [], set()
     for i, row in enumerate(rows):
         rec: dict[str, Any] = {}
-        for field, col in (("prompt", prompt), ("answer", answer), ("solution", solution)):
+        fields = (("prompt", prompt), ("answer", answer), ("worked_solution", worked_solution))
+        for field, col in fields:
             if col is None:
                 continue
             if col not in row:
@@ -86,8 +91,11 @@ def normalize(
         seen.add(rid)
         rec["id"] = rid
         for k, v in row.items():
-            if k not in (prompt, answer, solution, id_column) and isinstance(v, (str, int, float)):
+            if k not in (prompt, answer, worked_solution, id_column) and isinstance(
+                v, (str, int, float)
+            ):
                 rec.setdefault(k, v)
+        rec.setdefault("solution", rec["answer"])
         out.append(rec)
     return out
 
@@ -100,9 +108,9 @@ def gsm8k_rows(path: str | Path, with_solution: bool = False) -> list[dict[str, 
             raise DataError(f"{path}: row {i}: expected 'question' and an 'answer' with '####'")
         reasoning, final = str(r["answer"]).rsplit("####", 1)
         final = final.strip().replace(",", "")
-        row = {"id": f"gsm8k-{i:05d}", "prompt": r["question"], "answer": final}
+        row = {"id": f"gsm8k-{i:05d}", "prompt": r["question"], "answer": final, "solution": final}
         if with_solution:
-            row["solution"] = f"<think>{reasoning.strip()}</think><answer>{final}</answer>"
+            row["worked_solution"] = f"<think>{reasoning.strip()}</think><answer>{final}</answer>"
         rows.append(row)
     return rows
 

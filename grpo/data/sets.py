@@ -55,7 +55,7 @@ def _load_file(path: str | None, cfg: Config, solution: bool) -> list[dict[str, 
         path,
         prompt=cfg.data.prompt_column,
         answer=cfg.data.answer_column,
-        solution=cfg.data.solution_column if solution else None,
+        worked_solution=cfg.data.worked_solution_column if solution else None,
     )
 
 

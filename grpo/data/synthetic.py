@@ -40,7 +40,8 @@ def _number(rng: random.Random, digits: int) -> int:
 
 
 def make_sets(cfg: DataConfig) -> dict[str, list[dict]]:
-    """All synthetic sets as lists of {id, prompt, answer, solution, digits} rows."""
+    """All synthetic sets as lists of {id, prompt, answer, solution, worked_solution, digits}
+    rows. `solution` is the gold answer, as open-r1 and TRL's accuracy_reward read it."""
     rng = random.Random(cfg.seed)
     seen: set[tuple[int, int]] = set()
 
@@ -57,7 +58,8 @@ def make_sets(cfg: DataConfig) -> dict[str, list[dict]]:
                     "id": f"{name}-{len(rows):06d}",
                     "prompt": f"{a}+{b}=",
                     "answer": str(a + b),
-                    "solution": worked_solution(a, b),
+                    "solution": str(a + b),
+                    "worked_solution": worked_solution(a, b),
                     "digits": max(da, db),
                 }
             )
@@ -73,5 +75,5 @@ def make_sets(cfg: DataConfig) -> dict[str, list[dict]]:
         "train": draw(cfg.num_train, lo, hi, "train"),
     }
     for row in sets["train"]:
-        row.pop("solution")  # RL prompts carry answers only: GRPO's gain must come from RL
+        row.pop("worked_solution")  # RL prompts carry answers only: GRPO's gain must come from RL
     return sets

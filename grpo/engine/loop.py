@@ -46,6 +46,12 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.seed)
         self.tok = load_tokenizer(policy_dir)
+        if g.prompts_per_step % self.world:
+            # a hostfile or launcher can start other ranks than deepspeed.nproc said
+            raise ValueError(
+                f"grpo.prompts_per_step ({g.prompts_per_step}) is not divisible by the world "
+                f"size {self.world}: each rank must sample the same number of prompts"
+            )
         self.local_prompts = g.prompts_per_step // self.world
         local_batch = self.local_prompts * g.num_generations
         micro = min(g.micro_batch_size, local_batch)
@@ -64,7 +70,7 @@ class Trainer:
         # beta = 0: no KL term, and the reference is never loaded
         self.reference = Reference(cfg, policy_dir, self.device) if g.uses_reference else None
         self.micro = micro
-        self.scorer = RewardScorer(g)
+        self.scorer = RewardScorer(cfg)
         self.train_rows = training_sets(cfg)["train"]
         self.eval_rows: list[dict] = []
         if g.eval_every and cfg.eval.sets:
@@ -106,19 +112,16 @@ class Trainer:
         """One GRPO step on this rank; returns its metrics (reduced over ranks)."""
         g = self.cfg.grpo
         t0 = time.time()
-        # 1. sample: G completions for each of this rank's prompts
-        ro, group_rows, texts = sample_step(
-            self.engine.module, self.tok, self.cfg, self.train_rows, step=step, rank=self.rank,
-            world=self.world, device=self.device, eos_ids=self.eos_ids,
+        # 1-2. sample G completions for each of this rank's prompts, scoring each round
+        sampled = sample_step(
+            self.engine.module, self.tok, self.cfg, self.train_rows, self.scorer, step=step,
+            rank=self.rank, world=self.world, device=self.device, eos_ids=self.eos_ids,
         )  # fmt: skip
         t1 = time.time()
-        # 2. score every completion; dynamic sampling keeps informative groups first
-        rewards, per_fn = self.scorer(ro, group_rows, texts)
-        ro, rewards, per_fn, texts, rows = keep_groups(
-            ro, rewards, per_fn, texts, group_rows, self.local_prompts
-        )
+        # dynamic sampling keeps informative groups first
+        ro, scores, texts, rows = keep_groups(sampled, self.local_prompts)
         # 3. advantages, one per completion token [N, C]
-        adv = token_advantages(g, ro, rewards, rows, texts, self.tok)
+        adv = token_advantages(g, ro, scores.rewards, rows, texts, self.tok)
         t2 = time.time()
         ref_logps = self.reference.logps(ro, self.micro) if self.reference else None
         t3 = time.time()
@@ -126,16 +129,22 @@ class Trainer:
         m = self.policy_update.update(ro, adv, ref_logps)
         t4 = time.time()
         # 5. log
-        m.update(rollout_metrics(ro, rewards, per_fn, self.device))
+        m.update(rollout_metrics(ro, scores.rewards, scores.per_fn, self.device))
+        if g.dynamic_sampling:  # the same, before filtering: what the policy really sampled
+            before = rollout_metrics(sampled.rollout, sampled.scores.rewards, {}, self.device)
+            m.update({f"sampled/{k}": v for k, v in before.items()})
+            m["sampling/rounds"] = all_reduce_sum([sampled.rounds], self.device)[0] / self.world
+        m.update(self.scorer.take_metrics())
         n_tok = all_reduce_sum([float(ro.completion_mask.sum())], self.device)[0]
+        n_sampled = all_reduce_sum([len(sampled.texts)], self.device)[0]
         m.update({
-            "step": step + 1, "time/sampling": t1 - t0, "time/scoring": t2 - t1,
+            "step": step + 1, "time/sampling": t1 - t0, "time/advantages": t2 - t1,
             "time/reference": t3 - t2, "time/training": t4 - t3, "step_time": t4 - t0,
             "tokens_per_second": n_tok / max(t4 - t0, 1e-9),
-            "completions_per_second": len(texts) * self.world / max(t4 - t0, 1e-9),
+            "completions_per_second": n_sampled / max(t4 - t0, 1e-9),
         })  # fmt: skip
         if step % g.log_completions_every == 0:
-            self.files.log_completions(step + 1, rows, texts, rewards, ro.group_size)
+            self.files.log_completions(step + 1, rows, texts, scores, ro.group_size)
         return m
 
     def heldout_accuracy(self) -> float:

@@ -13,9 +13,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from grpo.engine import checkpoint
+from grpo.engine.scoring import Scores
 
 
 class RunFiles:
@@ -48,15 +47,17 @@ class RunFiles:
             self._metrics.flush()
 
     def log_completions(
-        self, step: int, rows: list[dict], texts: list[str], rewards: torch.Tensor, group_size: int
+        self, step: int, rows: list[dict], texts: list[str], scores: Scores, group_size: int
     ) -> None:
-        """The first completion of every group: prompt, completion, reward, gold answer."""
+        """The first completion of every group: prompt, completion, reward, gold answer, and
+        the columns reward functions added with log_extra."""
         if not self._samples:
             return
         for i in range(0, len(texts), group_size):
             rec = {"step": step, "prompt": rows[i]["prompt"], "completion": texts[i],
-                   "reward": float(rewards[i]), "answer": rows[i]["answer"]}  # fmt: skip
-            self._samples.write(json.dumps(rec) + "\n")
+                   "reward": float(scores.rewards[i]), "answer": rows[i]["answer"]}  # fmt: skip
+            rec.update({k: v[i] for k, v in scores.extra.items() if k not in rec})
+            self._samples.write(json.dumps(rec, default=str) + "\n")
         self._samples.flush()
 
     def save_checkpoint(self, engine: Any, step: int) -> None:

@@ -1,13 +1,17 @@
-"""Step 1, sample: this rank's prompts of the step, G completions each, with pi_old's log-probs.
+"""Steps 1 and 2, sample and score: this rank's prompts of the step, G completions each, with
+the sampler's log-probs, scored round by round.
 
-With dynamic sampling (DAPO) more rounds of fresh prompts are sampled, and `select_groups` keeps
-the informative groups first (the batch size stays fixed). Whole groups stay on one rank, so
-advantages need no communication.
+With dynamic sampling (DAPO) rounds of fresh prompts follow until the batch is full of
+informative groups (or the round cap), and `select_groups` keeps the informative groups first
+(the batch size stays fixed). Whole groups stay on one rank, so advantages need no
+communication.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,10 +20,23 @@ from grpo.algo.advantages import zero_std_groups
 from grpo.config import Config
 from grpo.data.order import derived_seed, prompt_indices
 from grpo.engine.deepspeed_setup import gathered
+from grpo.engine.distributed import all_reduce_sum
+from grpo.engine.scoring import Scores
 from grpo.models.generate import Rollout, generate
 from grpo.models.prompts import encode_prompts
 
 SAMPLING_ROUND = 1  # salt of the per-step RNG that draws extra prompts for dynamic sampling
+
+
+@dataclass
+class Sampled:
+    """Everything sampled at one step on this rank, scored, before any filtering."""
+
+    rollout: Rollout
+    group_rows: list[dict]  # the prompt row of each group
+    texts: list[str]
+    scores: Scores
+    rounds: int  # generation rounds (1 without dynamic sampling)
 
 
 def sample_step(
@@ -27,21 +44,30 @@ def sample_step(
     tok: Any,
     cfg: Config,
     train_rows: list[dict],
+    scorer: Callable[[Rollout, list[dict], list[str], int], Scores],
     *,
     step: int,
     rank: int,
     world: int,
     device: torch.device,
     eos_ids: list[int],
-) -> tuple[Rollout, list[dict], list[str]]:
-    """(rollout, the prompt row of each group, the completion texts) of one rank at one step."""
+) -> Sampled:
+    """This rank's prompts of `step`, G completions each, scored as they come.
+
+    With dynamic sampling, rounds of fresh prompts follow until this rank holds as many
+    informative groups (rewards not all equal) as it has prompts, or grpo.max_sampling_rounds
+    is reached. With several ranks the decision is collective (a round runs while any rank
+    still needs groups), because ZeRO-3 gathers parameters collectively in every round.
+    """
     g = cfg.grpo
     local = g.prompts_per_step // world
     idx = prompt_indices(step, rank, local, world, len(train_rows), cfg.seed)
     rows = [train_rows[i] for i in idx]
-    parts, kept_rows, texts = [], [], []
+    parts, kept_rows, texts, scores = [], [], [], []
+    informative = 0
     rng = random.Random(derived_seed(cfg.seed, step, rank, SAMPLING_ROUND))
-    for rnd in range(g.max_sampling_rounds if g.dynamic_sampling else 1):
+    rounds = g.max_sampling_rounds if g.dynamic_sampling else 1
+    for rnd in range(rounds):
         # a seed per (step, rank, round): a resumed run samples exactly what it would have
         torch.manual_seed(derived_seed(cfg.seed, step, rank, rnd))
         ids, mask = encode_prompts(tok, [r["prompt"] for r in rows], cfg, device)
@@ -53,13 +79,25 @@ def sample_step(
                 temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                 engine=cfg.model.generation_engine,
             )  # fmt: skip
+        round_texts = tok.batch_decode(ro.completion_ids, skip_special_tokens=True)
+        sc = scorer(ro, rows, round_texts, step)
         parts.append(ro)
         kept_rows.extend(rows)
-        texts.extend(tok.batch_decode(ro.completion_ids, skip_special_tokens=True))
-        if not g.dynamic_sampling:
+        texts.extend(round_texts)
+        scores.append(sc)
+        informative += int((~zero_std_groups(sc.rewards, ro.group_size)).sum())
+        if rnd + 1 == rounds or not _needs_more(informative < local, world, device):
             break
         rows = rng.sample(train_rows, local)
-    return cat_rollouts(parts, tok.pad_token_id), kept_rows, texts
+    return Sampled(
+        cat_rollouts(parts, tok.pad_token_id), kept_rows, texts, Scores.cat(scores), len(parts)
+    )
+
+
+def _needs_more(local_need: bool, world: int, device: torch.device) -> bool:
+    if world == 1:
+        return local_need
+    return all_reduce_sum([float(local_need)], device)[0] > 0
 
 
 def cat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
@@ -85,27 +123,19 @@ def cat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
     )
 
 
-def keep_groups(
-    ro: Rollout,
-    rewards: torch.Tensor,
-    per_fn: dict[str, list],
-    texts: list[str],
-    group_rows: list[dict],
-    num_prompts: int,
-) -> tuple[Rollout, torch.Tensor, dict[str, list], list[str], list[dict]]:
+def keep_groups(s: Sampled, num_prompts: int) -> tuple[Rollout, Scores, list[str], list[dict]]:
     """The step's batch of `num_prompts` groups (all of them without dynamic sampling), with
-    each completion's prompt row: (rollout, rewards, per-function scores, texts, rows)."""
-    G = ro.group_size
+    each completion's prompt row: (rollout, scores, texts, rows)."""
+    ro, G = s.rollout, s.rollout.group_size
     keep = torch.arange(ro.completion_ids.shape[0])
     if ro.num_groups > num_prompts:
-        keep = select_groups(zero_std_groups(rewards, G), G, num_prompts)
+        keep = select_groups(zero_std_groups(s.scores.rewards, G), G, num_prompts)
     idx = keep.tolist()
     return (
         ro.select(keep),
-        rewards[keep],
-        {k: [v[i] for i in idx] for k, v in per_fn.items()},
-        [texts[i] for i in idx],
-        [group_rows[i // G] for i in idx],
+        s.scores.select(idx),
+        [s.texts[i] for i in idx],
+        [s.group_rows[i // G] for i in idx],
     )
 
 

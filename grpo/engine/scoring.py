@@ -7,25 +7,60 @@ process supervision scores each reasoning step and credits the tokens up to wher
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers import TrainerState
 
 from grpo.algo.advantages import PROCESS, group_advantages, process_advantages
-from grpo.config import GRPOConfig
+from grpo.config import Config, GRPOConfig
 from grpo.models.generate import Rollout
 from grpo.models.offsets import char_to_token, token_char_ends
-from reward_fns import PROCESS_REWARDS, REWARD_FUNCS, resolve, score, with_time_limit
+from grpo.models.prompts import prompt_messages
+from reward_fns import (
+    PROCESS_REWARDS,
+    REWARD_FUNCS,
+    RewardFunctionError,
+    resolve,
+    score,
+    with_time_limit,
+)
 
 # the worked solution is SFT's data, never shown to GRPO's reward functions
-HIDDEN_COLUMNS = ("solution",)
+HIDDEN_COLUMNS = ("worked_solution",)
+
+
+@dataclass
+class Scores:
+    """A scored batch: weighted rewards [N], each function's raw scores, log_extra columns."""
+
+    rewards: torch.Tensor
+    per_fn: dict[str, list]
+    extra: dict[str, list] = field(default_factory=dict)
+
+    def select(self, idx: list[int]) -> Scores:
+        pick = lambda d: {k: [v[i] for i in idx] for k, v in d.items()}  # noqa: E731
+        return Scores(self.rewards[idx], pick(self.per_fn), pick(self.extra))
+
+    @staticmethod
+    def cat(parts: list[Scores]) -> Scores:
+        # a column logged in every round is kept; one logged in only some rounds cannot align
+        keys = [k for k in parts[0].extra if all(k in p.extra for p in parts)]
+        return Scores(
+            torch.cat([p.rewards for p in parts]),
+            {k: [v for p in parts for v in p.per_fn[k]] for k in parts[0].per_fn},
+            {k: [v for p in parts for v in p.extra[k]] for k in keys},
+        )
 
 
 class RewardScorer:
-    """The configured reward functions, weighted; user functions are bounded in time."""
+    """The configured reward functions, weighted, called with TRL's keyword arguments
+    (reward_fns/__init__.py); user functions are bounded in time."""
 
-    def __init__(self, g: GRPOConfig) -> None:
-        self.weights = g.reward_weights
+    def __init__(self, cfg: Config) -> None:
+        g = cfg.grpo
+        self.cfg, self.weights = cfg, g.reward_weights
         self.funcs = {}
         for name in g.reward_funcs:
             fn = resolve(
@@ -36,22 +71,49 @@ class RewardScorer:
             self.funcs[key] = (
                 fn if name in REWARD_FUNCS else with_time_limit(key, fn, g.reward_timeout_s)
             )
+        self.metrics: dict[str, list[float]] = {}  # log_metric calls since the last take_metrics
 
-    def __call__(
-        self, ro: Rollout, rows: list[dict], texts: list[str]
-    ) -> tuple[torch.Tensor, dict[str, list]]:
-        """Weighted reward per completion [N], and each function's raw scores."""
-        G = ro.group_size
+    def __call__(self, ro: Rollout, rows: list[dict], texts: list[str], step: int) -> Scores:
+        """Score the completions `texts` of the prompts `rows` (one row per group)."""
+        G, conversational = ro.group_size, self.cfg.model.chat_template
         columns: dict[str, list[Any]] = {
             k: [r.get(k) for r in rows for _ in range(G)]
             for k in rows[0]
             if k not in HIDDEN_COLUMNS
         }
+        problems = columns["prompt"]
+        columns["prompts"] = (
+            [prompt_messages(p, self.cfg) for p in problems] if conversational else problems
+        )
         columns["completion_ids"] = [
             ids[: int(n)].tolist() for ids, n in zip(ro.completion_ids, ro.lengths)
         ]
-        rewards, per_fn = score(self.funcs, self.weights, texts, columns)
-        return torch.tensor(rewards, dtype=torch.float32), per_fn
+        completions: list[Any] = (
+            [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        )
+        extra: dict[str, list] = {}
+
+        def log_extra(column: str, values: list) -> None:
+            extra.setdefault(column, []).extend(values)
+
+        def log_metric(name: str, value: float) -> None:
+            self.metrics.setdefault(name, []).append(float(value))
+
+        state = TrainerState(global_step=step, max_steps=self.cfg.grpo.steps)
+        shared = {"trainer_state": state, "log_extra": log_extra, "log_metric": log_metric}
+        rewards, per_fn = score(self.funcs, self.weights, completions, columns, shared)
+        for k, v in extra.items():
+            if len(v) != len(texts):
+                raise RewardFunctionError(
+                    f"log_extra({k!r}): {len(v)} values for {len(texts)} completions"
+                )
+        return Scores(torch.tensor(rewards, dtype=torch.float32), per_fn, extra)
+
+    def take_metrics(self) -> dict[str, float]:
+        """The mean of each log_metric name since the last call (then forgotten)."""
+        out = {k: sum(v) / len(v) for k, v in self.metrics.items()}
+        self.metrics = {}
+        return out
 
 
 def token_advantages(

@@ -32,7 +32,7 @@ def _encode(tokenizer: Any, rows: list[dict], cfg: Config) -> list[tuple[list[in
     out = []
     for r in rows:
         p = tokenizer(render_prompt(tokenizer, r["prompt"], cfg), add_special_tokens=False)
-        s = tokenizer(r["solution"], add_special_tokens=False)
+        s = tokenizer(r["worked_solution"], add_special_tokens=False)
         out.append(
             (p["input_ids"] + s["input_ids"] + [tokenizer.eos_token_id], len(p["input_ids"]))
         )

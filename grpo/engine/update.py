@@ -24,7 +24,7 @@ from grpo.models.generate import Rollout
 # even when it skipped all its rows
 POLICY_METRICS = (
     "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "ratio_mean",
-    "entropy",
+    "entropy", "clamp/log_ratio_frac",
 )  # fmt: skip
 
 
@@ -53,7 +53,7 @@ class PolicyUpdate:
     ) -> None:
         self.engine, self.g, self.device = engine, g, device
         self.micro, self.n_micro, self.world, self.zero_stage = micro, n_micro, world, zero_stage
-        self.metric_keys = POLICY_METRICS + (("kl",) if g.uses_reference else ())
+        self.metric_keys = POLICY_METRICS + (("kl", "clamp/k3_frac") if g.uses_reference else ())
 
     def update(
         self, ro: Rollout, adv: torch.Tensor, ref_logps: torch.Tensor | None
@@ -77,7 +77,11 @@ class PolicyUpdate:
         sums: dict[str, float] = {"_w": 0.0, "loss": 0.0}
         nonfinite = 0
         grad_norms: list[float] = []
-        for _ in range(g.mu):
+        # pi_old: the sampler's log-probs, replaced row by row by the first pass's own forward
+        # (the parameters do not change within a pass) when old_logprobs is recompute
+        self.old = ro.sampling_logps.clone()
+        self.gap = [0.0, 0.0, 0.0]  # |trainer - sampler| log-prob: sum, tokens, max
+        for self.pass_ in range(g.mu):
             for j in range(self.n_micro):
                 idx = rows[j * self.micro : (j + 1) * self.micro]
                 if idx.numel():
@@ -97,6 +101,7 @@ class PolicyUpdate:
                 sums["_w"] += w
                 sums["loss"] += float(loss.detach()) * scale / self.n_micro / g.mu
         keys = sorted(self.metric_keys)
+        tot_gap = all_reduce_sum(self.gap[:2], self.device)
         tot = all_reduce_sum(
             [sums.get(k, 0.0) for k in keys] + [sums["_w"], sums["loss"], nonfinite], self.device
         )
@@ -111,6 +116,9 @@ class PolicyUpdate:
         # ZeRO 1-3 report the global norm; stage 0 does not, and its grads are whole on each rank
         gn = self.engine.get_global_grad_norm()
         out["grad_norm"] = float(gn) if gn is not None else float(grad_norms[-1])
+        (gap_max,) = all_reduce_sum([self.gap[2]], self.device, "max")
+        out["logprob_gap/mean"] = tot_gap[0] / max(tot_gap[1], 1.0)
+        out["logprob_gap/max"] = gap_max
         out["learning_rate"] = float(self.engine.get_lr()[0])
         return out
 
@@ -144,7 +152,8 @@ class PolicyUpdate:
         weight 0. Every rank then makes the same backward calls with gradient hooks firing in
         the same order (ZeRO-2 packs gradients into its reduce buckets in hook order)."""
         one_row = torch.tensor([0])
-        loss, _ = self._micro_loss(ro, mask, torch.zeros_like(adv), ref_logps, one_row, num_items)
+        zeros = torch.zeros_like(adv)
+        loss, _ = self._micro_loss(ro, mask, zeros, ref_logps, one_row, num_items, record=False)
         if torch.isfinite(loss):
             return loss * 0.0
         # the model's own output is not finite: a zero gradient without a forward pass
@@ -158,6 +167,7 @@ class PolicyUpdate:
         ref_logps: torch.Tensor | None,
         idx: torch.Tensor,
         num_items: float,
+        record: bool = True,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Loss and metrics of the rows idx, with columns that are padding in all of them cut.
 
@@ -174,8 +184,12 @@ class PolicyUpdate:
         mask = loss_mask[idx, :c]
         logits = completion_logits(self.engine, ro.prompt_ids[idx, p0:], pmask, cids, attn)
         logps = token_logprobs(logits, cids, g.temperature)  # [mb, c]
+        if self.pass_ == 0 and record:
+            self._record_gap(logps.detach(), ro.sampling_logps[idx, :c], mask)
+            if g.old_logprobs == "recompute":
+                self.old[idx, :c] = logps.detach()
         # mu = 1: pi_old is the current policy exactly (rho = 1, the gradient is the PG)
-        old = ro.sampling_logps[idx, :c] if g.mu > 1 else logps.detach()
+        old = self.old[idx, :c] if g.mu > 1 else logps.detach()
         loss, m = policy_loss(
             logps, old, adv[idx, :c], mask,
             ref_logps=None if ref_logps is None else ref_logps[idx, :c],
@@ -188,6 +202,14 @@ class PolicyUpdate:
             m["_w"] = float(mask.sum())
             m["entropy"] = float((ent * mask).sum()) / max(m["_w"], 1.0)
         return loss, m
+
+    def _record_gap(self, trainer: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor) -> None:
+        """Sampler vs training-forward log-probs of the same tokens under the same weights: the
+        rollout/trainer mismatch (numerics, kernels, dtype) that TRL and verl users watch."""
+        d = (trainer - sampler).abs() * mask
+        self.gap[0] += float(d.sum())
+        self.gap[1] += float(mask.sum())
+        self.gap[2] = max(self.gap[2], float(d.max()) if d.numel() else 0.0)
 
     def _local_grad_norm(self) -> float:
         norms = [

@@ -138,4 +138,4 @@ def few_shot_prefix(cfg: Config) -> str:
     sft = training_sets(cfg).get("sft", [])
     if len(sft) < cfg.eval.few_shot:
         raise DataError(f"eval.few_shot={cfg.eval.few_shot} but only {len(sft)} SFT examples")
-    return "".join(r["prompt"] + r["solution"] + "\n" for r in sft[: cfg.eval.few_shot])
+    return "".join(r["prompt"] + r["worked_solution"] + "\n" for r in sft[: cfg.eval.few_shot])

@@ -99,9 +99,44 @@ def check_data(cfg: Config, eval_sets: list[str] | None = None) -> None:
         eval_set(name, cfg)
 
 
+def hostfile_world_size(path: str | Path) -> int:
+    """Ranks a DeepSpeed hostfile starts: the sum of its `slots=N` (comments, blank lines
+    skipped)."""
+    p = Path(path)
+    if not p.is_file():
+        raise PreflightError(f"{p}: hostfile not found")
+    total = 0
+    for i, line in enumerate(p.read_text().splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = dict(x.split("=", 1) for x in line.split()[1:] if "=" in x)
+        if not parts.get("slots", "").isdigit():
+            raise PreflightError(f"{p}: line {i}: expected 'hostname slots=N', got {line!r}")
+        total += int(parts["slots"])
+    if total == 0:
+        raise PreflightError(f"{p}: no host with slots")
+    return total
+
+
+def check_world_size(cfg: Config) -> None:
+    """prompts_per_step must split evenly over the ranks the launch will really start (the
+    config checks deepspeed.nproc; a hostfile decides for itself)."""
+    if not cfg.deepspeed.hostfile:
+        return
+    world = hostfile_world_size(cfg.deepspeed.hostfile)
+    if cfg.grpo.prompts_per_step % world:
+        raise PreflightError(
+            f"grpo.prompts_per_step ({cfg.grpo.prompts_per_step}) must be divisible by the "
+            f"{world} ranks of {cfg.deepspeed.hostfile}"
+        )
+
+
 def preflight(cfg: Config, *, model_dirs: list[str | Path] = (), train: bool = True) -> None:
-    """The checks of a command: model directories, reward functions, output, data."""
+    """The checks of a command: model directories, reward functions, output, data, ranks."""
     check_writable(cfg.output_dir)
+    if train:
+        check_world_size(cfg)
     if cfg.model.path:
         check_model_dir(cfg.model.path)
     for d in model_dirs:

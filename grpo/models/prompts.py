@@ -14,14 +14,19 @@ SYSTEM_PROMPT = (
 )
 
 
+def prompt_messages(problem: str, cfg: Config) -> list[dict[str, str]]:
+    """The chat messages of a problem when the model uses its chat template."""
+    return [
+        {"role": "system", "content": cfg.model.system_prompt or SYSTEM_PROMPT},
+        {"role": "user", "content": problem},
+    ]
+
+
 def render_prompt(tokenizer: Any, problem: str, cfg: Config) -> str:
     """The text the model sees before its completion: plain, or the chat template."""
     if not cfg.model.chat_template:
         return problem
-    messages = [
-        {"role": "system", "content": cfg.model.system_prompt or SYSTEM_PROMPT},
-        {"role": "user", "content": problem},
-    ]
+    messages = prompt_messages(problem, cfg)
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 

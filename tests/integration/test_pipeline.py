@@ -235,8 +235,8 @@ def test_sft_reference_cache_hit(tmp_path):
     from grpo.launch.paths import reference_dir
 
     data = tmp_path / "sft.jsonl"
-    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1), "solution": f"<answer>{i + 1}</answer>"}
-            for i in range(20)]  # fmt: skip
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1),
+             "worked_solution": f"<answer>{i + 1}</answer>"} for i in range(20)]  # fmt: skip
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     files = small_config(tmp_path, "data.task=files", f"data.train_path={data}",
                          f"data.sft_path={data}")  # fmt: skip

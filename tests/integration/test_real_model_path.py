@@ -43,7 +43,8 @@ def test_tokenizers_round_trip_after_save_and_reload(real_dir, tmp_path):
     # the embedded tiny tokenizer, reloaded from a model directory as every stage loads it
     tiny = AutoTokenizer.from_pretrained(base_model_dir(cfg))
     sets = make_sets(cfg.data)
-    texts = [x for rows in sets.values() for r in rows for x in (r["prompt"], r.get("solution"))]
+    pairs = [(r["prompt"], r.get("worked_solution")) for rows in sets.values() for r in rows]
+    texts = [x for pair in pairs for x in pair]
     texts = [t for t in texts if t]
     bad = [t for t in texts if tiny.decode(tiny(t, add_special_tokens=False)["input_ids"]) != t]
     assert not bad, bad[:3]

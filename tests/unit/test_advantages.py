@@ -1,5 +1,7 @@
 """Hand-computed advantages for every mode, the zero-std group and process supervision."""
 
+import math
+
 import pytest
 import torch
 
@@ -74,3 +76,11 @@ def test_process_advantages_equal_rewards_zero_and_validation():
     assert torch.equal(adv, torch.zeros(2, 3))
     with pytest.raises(ValueError, match="step_ends"):
         process_advantages([[1.0]], [[5]], 1, 3)
+
+
+def test_batch_std_scales_by_the_whole_batchs_std():
+    """TRL's scale_rewards="batch": rewards (1, 0) and (1, 1): group means 0.5 and 1, the
+    batch's population std of (1, 0, 1, 1) is sqrt(3)/4 = 0.4330."""
+    adv = group_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), 2, "batch_std", eps=0.0)
+    s = math.sqrt(3) / 4
+    assert adv.tolist() == pytest.approx([0.5 / s, -0.5 / s, 0.0, 0.0])

@@ -1,6 +1,7 @@
 """One source per concept: defaults, allowed names and the reference decision."""
 
 import inspect
+import re
 
 import pytest
 
@@ -71,3 +72,90 @@ def test_sft_has_its_own_gradient_clipping():
         max_grad_norm=cfg.sft.max_grad_norm,
     )  # fmt: skip
     assert ds["gradient_clipping"] == 5.0
+
+
+TRL_YAML = """\
+# a TRL GRPOConfig, flat, with the settings this project supports
+max_steps: 7
+learning_rate: 1.0e-4
+lr_scheduler_type: constant
+epsilon: 0.1
+epsilon_high: 0.3
+num_iterations: 2
+importance_sampling_level: token
+scale_rewards: none
+num_generations: 4
+max_completion_length: 32
+beta: 0.0
+loss_type: bnpo
+mask_truncated_completions: true
+save_steps: 5
+save_total_limit: 1
+eval_steps: 0
+seed: 3
+bf16: true
+"""
+
+
+def test_a_trl_named_config_loads_as_ours(tmp_path):
+    from grpo.config import load_config
+    from grpo.config.trl_names import TRL_ALIASES
+
+    p = tmp_path / "trl.yaml"
+    p.write_text(TRL_YAML)
+    cfg = load_config(p)
+    ours = load_config(None, [
+        "grpo.steps=7", "grpo.lr=1.0e-4", "grpo.lr_schedule=constant", "grpo.eps_low=0.1",
+        "grpo.eps_high=0.3", "grpo.mu=2", "grpo.advantage_mode=center", "grpo.num_generations=4",
+        "grpo.max_completion_length=32", "grpo.loss_type=bnpo",
+        "grpo.mask_truncated_completions=true", "grpo.checkpoint_every=5",
+        "grpo.keep_checkpoints=1", "grpo.eval_every=0", "seed=3", "model.dtype=bfloat16",
+    ])  # fmt: skip
+    assert cfg == ours
+    # the same names inside the grpo section work too
+    assert load_config(None, ["grpo.learning_rate=0.5"]).grpo.lr == 0.5
+    # the docs' table lists every alias
+    table = (ROOT / "docs" / "TRL.md").read_text()
+    for trl, mine in TRL_ALIASES.items():
+        assert f"| `{trl}` | `grpo.{mine}` |" in table
+
+
+@pytest.mark.parametrize(
+    ("override", "says"),
+    [
+        ("grpo.use_vllm=true", "use_vllm' is not supported here; use model.generation_engine"),
+        ("per_device_train_batch_size=8", "use grpo.prompts_per_step"),
+        ("fp16=true", "fp16 training needs loss scaling"),
+        ("model.dtype=float16", "fp16 training needs loss scaling"),
+        ("grpo.scale_rewards=maybe", "scale_rewards: 'maybe'; expected one of group, batch, none"),
+    ],
+)
+def test_trl_settings_we_do_not_have_are_refused_by_name(override, says):
+    from grpo.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        load_config(None, [override])
+
+
+def test_one_setting_under_two_names_is_refused():
+    from grpo.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="'learning_rate' and 'lr' are the same setting"):
+        load_config(None, ["grpo.lr=0.1", "grpo.learning_rate=0.2"])
+
+
+def test_a_hostfile_whose_ranks_do_not_split_the_prompts_is_refused(tmp_path):
+    from grpo.config import load_config
+    from grpo.launch.preflight import PreflightError, check_world_size, hostfile_world_size
+
+    hosts = tmp_path / "hostfile"
+    hosts.write_text("# two nodes\nnode-0 slots=2\nnode-1 slots=1\n")
+    assert hostfile_world_size(hosts) == 3
+    cfg = load_config(None, [f"deepspeed.hostfile={hosts}"])  # 32 prompts over 3 ranks
+    with pytest.raises(PreflightError, match=r"\(32\) must be divisible by the 3 ranks"):
+        check_world_size(cfg)
+    hosts.write_text("node-0 slots=4\nnode-1 slots=4\n")
+    check_world_size(cfg)  # 8 ranks: 4 prompts each
+    hosts.write_text("node-0 gpus=4\n")
+    with pytest.raises(PreflightError, match="line 1: expected 'hostname slots=N'"):
+        hostfile_world_size(hosts)

@@ -150,3 +150,61 @@ def test_token_logprobs_match_log_softmax_with_temperature():
     assert torch.allclose(token_entropy(logits, chunk_rows=5), ent, atol=1e-5)
     uniform = token_entropy(torch.zeros(1, 1, 8))
     assert uniform.item() == pytest.approx(math.log(8))
+
+
+def _gspo_grads(loss_type: str) -> list[list[float]]:
+    """Gradients of the loss w.r.t. each token log-prob for two sequences of lengths 1 and 3,
+    advantages +1 and -1, pi_theta = pi_old (every sequence ratio 1, nothing clipped)."""
+    logps = torch.tensor([[-1.0, 0.0, 0.0], [-0.5, -0.7, -0.2]], requires_grad=True)
+    mask = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    loss, _ = policy_loss(
+        logps, logps.detach(), torch.tensor([1.0, -1.0]), mask,
+        importance_level="sequence", loss_type=loss_type,
+    )  # fmt: skip
+    loss.backward()
+    return (logps.grad * mask).tolist()
+
+
+def test_gspo_weights_sequences_equally_with_grpo_aggregation():
+    """GSPO paper: J = 1/G sum_i min(s_i A_i, ...), s_i = exp(mean_t log rho_it). With s_i = 1,
+    dJ/dlogp_it = A_i / (G |o_i|): -(+1)/(2*1) = -0.5 for the short sequence's token and
+    -(-1)/(2*3) = +1/6 for each of the long one's (the loss is -J)."""
+    g = _gspo_grads("grpo")
+    assert g[0][0] == pytest.approx(-0.5)
+    assert g[1] == pytest.approx([1 / 6] * 3)
+
+
+def test_gspo_with_a_token_weighted_aggregation_weights_sequences_by_length():
+    """dapo: every token carries its sequence's loss l_i = -s_i A_i, and the 4 tokens are
+    averaged: loss = (1 * l_1 + 3 * l_2) / 4. dl_i/dlogp_it = -A_i / |o_i|, so the short
+    sequence's token gets (1/4) * (-1) = -0.25 and each long one (3/4) * (+1/3) = +0.25."""
+    g = _gspo_grads("dapo")
+    assert g[0][0] == pytest.approx(-0.25)
+    assert g[1] == pytest.approx([0.25] * 3)
+
+
+def test_gspo_default_aggregation_is_the_papers():
+    from grpo.config import load_config
+
+    assert load_config(None, ["grpo.importance_level=sequence"]).grpo.loss_type == "grpo"
+    cfg = load_config(None, ["grpo.importance_level=sequence", "grpo.loss_type=dapo"])
+    assert cfg.grpo.loss_type == "dapo"  # an explicit choice stays
+
+
+def test_log_ratio_and_k3_are_clamped_and_the_share_is_reported():
+    """A token 30 nats away from pi_old would make exp() overflow in float16 and huge in float32:
+    the log-ratio is clamped at 20 (that token's share is reported), k3 at 10."""
+    logps = torch.tensor([[0.0, -30.0, -1.0, -1.0]], requires_grad=True)
+    old = torch.tensor([[-30.0, -30.0, -1.0, -1.0]])
+    ref = torch.tensor([[-1.0, -1.0, -1.0, -40.0]])
+    mask = torch.ones(1, 4)
+    loss, m = policy_loss(logps, old, torch.tensor([1.0]), mask, ref_logps=ref, beta=0.1,
+                          eps_high=1e9)  # fmt: skip
+    assert torch.isfinite(loss)
+    assert m["clamp/log_ratio_frac"] == pytest.approx(1 / 4)  # token 0: +30 > 20
+    # k3 of token 1: d = ref - logp = 29, clamped to 20, exp(20) - 21 > 10: clamped to 10
+    # k3 of token 3: d = -39 -> -20: exp(-20) + 19 > 10: clamped too
+    assert m["clamp/k3_frac"] == pytest.approx(2 / 4)
+    assert float(k3_kl(torch.tensor([-30.0]), torch.tensor([-1.0]))) == pytest.approx(10.0)
+    loss.backward()
+    assert torch.isfinite(logps.grad).all()

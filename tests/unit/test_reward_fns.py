@@ -105,7 +105,7 @@ def test_soft_overlong_penalty_hand_values():
 
 
 def test_weighted_score_skips_none():
-    funcs = {"a": lambda c, **k: [1.0, None], "b": lambda c, **k: [0.5, 0.5]}
+    funcs = {"a": lambda completions, **k: [1.0, None], "b": lambda completions, **k: [0.5, 0.5]}
     totals, per_fn = score(funcs, [2.0, 1.0], ["x", "y"], {})
     assert totals == [2.5, 0.5]
     assert per_fn["a"] == [1.0, None]
@@ -118,7 +118,7 @@ def test_failing_reward_function_is_named_with_the_completion_index():
     with pytest.raises(RewardFunctionError, match=r"'picky' raised on completion 2"):
         score({"picky": picky}, [1.0], ["a", "ab", "abc", "abcd"], {})
     with pytest.raises(RewardFunctionError, match="returned nan"):
-        score({"nan": lambda c, **k: [float("nan")] * len(c)}, [1.0], ["a"], {})
+        score({"nan": lambda completions, **k: [float("nan")] * len(completions)}, [1.0], ["a"], {})
 
 
 def test_registry_resolves_names_and_import_paths():

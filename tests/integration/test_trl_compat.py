@@ -1,0 +1,132 @@
+"""TRL users' code in our trainer: reward functions from TRL's docs and TRL itself, unchanged,
+on plain and chat-format prompts; a TRL-named config; dynamic sampling's early stop; the clamp
+and sampler-vs-trainer metrics in metrics.jsonl."""
+
+import json
+
+import pytest
+
+from grpo.launch.paths import base_model_dir
+from tests.helpers import ROOT, small_config
+from tests.realistic_model import build_realistic_model
+
+pytestmark = pytest.mark.slow
+DOC = "tests.trl_doc_rewards"
+
+
+def _lines(path):
+    return [json.loads(x) for x in path.open()]
+
+
+def _train(cfg, policy, out):
+    from grpo.engine.loop import Trainer
+
+    result = Trainer(cfg, policy, out).train(progress=False)
+    return result, _lines(out / "metrics.jsonl")
+
+
+def test_trl_doc_functions_get_trls_arguments_on_plain_prompts(tmp_path):
+    from tests import trl_doc_rewards
+
+    trl_doc_rewards.SEEN.clear()
+    cfg = small_config(
+        tmp_path,
+        f"grpo.reward_funcs=[{DOC}:reward_len, {DOC}:soft_overlong, {DOC}:uses_everything]",
+        "grpo.reward_weights=[0.1, 1.0, 1.0]", "grpo.log_completions_every=1", "grpo.mu=2",
+    )  # fmt: skip
+    _, metrics = _train(cfg, base_model_dir(cfg), tmp_path / "grpo")
+    assert [m["step"] for m in metrics] == [1, 2]
+    seen = trl_doc_rewards.SEEN
+    assert [s["step"] for s in seen] == [0, 1] and seen[0]["max_steps"] == 2
+    first = seen[0]
+    n = len(first["completions"])  # 2 prompts x 4 completions
+    assert n == 8 and all(isinstance(c, str) for c in first["completions"])
+    assert first["prompts"][0] == first["prompts"][3] and "+" in first["prompts"][0]
+    assert first["solution"][0].isdigit()  # the gold answer, open-r1's column
+    assert "worked_solution" not in first["columns"] and "answer" in first["columns"]
+    assert all(isinstance(i, int) for i in first["ids"][0])
+    # the soft overlong punishment from TRL, and the doc's length reward, were scored
+    # an untrained model runs long: past 24 - 8 = 16 tokens the penalty is below 0
+    assert -1.0 <= metrics[0]["rewards/soft_overlong/mean"] < 0
+    assert metrics[0]["completions/max_length"] > 16
+    assert metrics[0]["rewards/reward_len/mean"] < 0
+    # log_metric and log_extra reach metrics.jsonl and completions.jsonl
+    assert [m["my_metric"] for m in metrics] == [0.5, 1.5]
+    samples = _lines(tmp_path / "grpo" / "completions.jsonl")
+    assert all(s["n_chars"] == len(s["completion"]) for s in samples)
+    # the clamp and sampler-vs-trainer metrics, every step
+    for m in metrics:
+        assert m["clamp/log_ratio_frac"] == 0.0
+        assert 0.0 <= m["logprob_gap/mean"] <= m["logprob_gap/max"] < 1e-3  # fp32, same weights
+
+
+def test_trls_own_rewards_on_chat_format_prompts(tmp_path):
+    """accuracy_reward and think_format_reward read completion[0]["content"]: with the chat
+    template on, completions and prompts come in TRL's conversational form."""
+    from tests import trl_doc_rewards
+
+    trl_doc_rewards.SEEN.clear()
+    model = build_realistic_model(tmp_path / "model")
+    cfg = small_config(
+        tmp_path, f"model.path={model}", "model.chat_template=true", "sft.enabled=false",
+        "data.task=files", f"data.train_path={ROOT / 'data/gsm8k/train.jsonl'}",
+        "data.gsm8k_solutions=true", "grpo.max_prompt_length=1500",
+        "grpo.reward_funcs=[trl.rewards:accuracy_reward, trl.rewards:think_format_reward, "
+        f"{DOC}:format_reward_func, {DOC}:uses_everything]",
+        "grpo.reward_weights=[1.0, 0.5, 0.5, 1.0]", "grpo.max_completion_length=12",
+    )  # fmt: skip
+    _, metrics = _train(cfg, model, tmp_path / "grpo")
+    assert [m["step"] for m in metrics] == [1, 2]
+    for name in ("accuracy_reward", "think_format_reward", "format_reward_func"):
+        assert 0.0 <= metrics[-1][f"rewards/{name}/mean"] <= 1.0
+    first = trl_doc_rewards.SEEN[0]
+    assert first["completions"][0][0]["role"] == "assistant"
+    assert [m["role"] for m in first["prompts"][0]] == ["system", "user"]
+    assert first["solution"][0] == first["solution"][0].strip() and first["solution"][0]
+
+
+def test_a_trl_named_config_trains(tmp_path):
+    from grpo.config import load_config
+    from tests.helpers import SMALL
+
+    trl_yaml = tmp_path / "trl.yaml"
+    trl_yaml.write_text(
+        "max_steps: 2\nlearning_rate: 1.0e-3\nlr_scheduler_type: constant\nnum_iterations: 2\n"
+        "importance_sampling_level: sequence\nscale_rewards: batch\nepsilon: 0.2\n"
+        "epsilon_high: 0.28\nnum_generations: 4\nsave_steps: 1\nsave_total_limit: 1\n"
+        "eval_steps: 0\nbeta: 0.04\n"
+    )
+    given = ("grpo.steps", "grpo.num_generations", "grpo.eval_every", "grpo.checkpoint")
+    small = [s for s in SMALL if not s.startswith(given)]
+    cfg = load_config(trl_yaml, [*small, f"output_dir={tmp_path}"])
+    g = cfg.grpo
+    assert (g.steps, g.mu, g.importance_level, g.loss_type, g.advantage_mode) == (
+        2,
+        2,
+        "sequence",
+        "grpo",
+        "batch_std",
+    )
+    _, metrics = _train(cfg, base_model_dir(cfg), tmp_path / "grpo")
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert "kl" in metrics[-1] and "clamp/k3_frac" in metrics[-1]
+    assert metrics[-1]["ratio_mean"] != 1.0 or metrics[-1]["grad_norm"] >= 0
+
+
+@pytest.mark.parametrize(("reward", "rounds"), [("reward_len", 1), ("constant", 3)])
+def test_dynamic_sampling_stops_when_the_first_round_fills_the_batch(tmp_path, reward, rounds):
+    """Completion lengths differ within a group, so reward_len makes every group informative
+    and round 1 fills the batch; a constant reward never does, and all 3 rounds run."""
+    cfg = small_config(
+        tmp_path, f"grpo.reward_funcs=[{DOC}:{reward}]", "grpo.reward_weights=[1.0]",
+        "grpo.dynamic_sampling=true", "grpo.max_sampling_rounds=3", "grpo.steps=1",
+    )  # fmt: skip
+    _, metrics = _train(cfg, base_model_dir(cfg), tmp_path / "grpo")
+    m = metrics[-1]
+    assert m["sampling/rounds"] == rounds
+    if reward == "constant":
+        assert m["sampled/frac_reward_zero_std"] == 1.0 and m["frac_reward_zero_std"] == 1.0
+    else:
+        # before filtering, what was sampled; after, the kept batch: both fully informative
+        assert m["sampled/frac_reward_zero_std"] == m["frac_reward_zero_std"] == 0.0
+        assert m["completions_per_second"] > 0
