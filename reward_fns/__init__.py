@@ -30,7 +30,7 @@ unchanged (tests/integration/test_trl_compat.py). Functions given by import path
 
 from reward_fns.accuracy import accuracy, extract_answer, gold_parses, is_correct
 from reward_fns.format import format_reward, soft_overlong_penalty
-from reward_fns.process import arithmetic_steps
+from reward_fns.process import arithmetic_steps, column_steps
 from reward_fns.registry import PROCESS_REWARDS, REWARD_FUNCS
 from reward_fns.scoring import RewardFunctionError, resolve, score, with_time_limit
 
@@ -40,6 +40,7 @@ __all__ = [
     "RewardFunctionError",
     "accuracy",
     "arithmetic_steps",
+    "column_steps",
     "extract_answer",
     "format_reward",
     "gold_parses",

@@ -21,6 +21,7 @@ import torch
 Estimator = Callable[[torch.Tensor, float], torch.Tensor]
 ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {}
 PROCESS = "process"  # per-token advantages from step rewards: process_advantages
+PROCESS_REDUCTIONS = ("sum", "mean")  # how a token combines the steps ending at or after it
 
 
 def advantage_estimator(name: str) -> Callable[[Estimator], Estimator]:
@@ -113,14 +114,19 @@ def process_advantages(
     group_size: int,
     num_tokens: int,
     eps: float = STD_EPS,
+    reduce: str = "sum",
 ) -> torch.Tensor:
     """Per-token advantages from per-step rewards (DeepSeekMath 4.1.3 process supervision).
 
     step_rewards[i][j]: reward of step j of completion i; step_ends[i][j]: 0-based token index in
     the completion where that step ends. The rewards of all steps of a group are normalised
-    together (population std); A[i, t] = sum of the normalised rewards of i's steps ending at or
-    after t; tokens after i's last step end get 0. Returns [N, num_tokens].
+    together (population std). reduce "sum" (DeepSeekMath): A[i, t] = sum of the normalised
+    rewards of i's steps ending at or after t; "mean": their mean, so that an early token's
+    advantage has the scale of one step's (the sum grows with the steps left). Tokens after i's
+    last step end get 0. Returns [N, num_tokens].
     """
+    if reduce not in PROCESS_REDUCTIONS:
+        raise ValueError(f"reduce: expected one of {PROCESS_REDUCTIONS}, got {reduce!r}")
     n = len(step_rewards)
     if len(step_ends) != n:
         raise ValueError(f"step_ends: {len(step_ends)} completions but step_rewards has {n}")
@@ -143,7 +149,11 @@ def process_advantages(
             continue  # no steps, or all equal: zero advantage for the whole group
         mean, std = pooled.mean(), pooled.std(unbiased=False)
         for i in range(g0, g0 + group_size):
+            count = torch.zeros(num_tokens)
             for r, end in zip(step_rewards[i], step_ends[i]):
                 # a step ending at `end` credits every token up to and including `end`
                 adv[i, : end + 1] += (r - mean) / (std + eps)
+                count[: end + 1] += 1
+            if reduce == "mean":
+                adv[i] /= count.clamp(min=1.0)
     return adv

@@ -37,7 +37,18 @@ class GRPOConfig(Strict):
         "zscore", description="a name in grpo.algo.advantages.ADVANTAGE_ESTIMATORS, or process"
     )
     process_reward: str = Field(
-        "arithmetic_steps", description="step-level reward for advantage_mode 'process'"
+        "column_steps", description="step-level reward for advantage_mode 'process'"
+    )
+    process_advantage: Literal["sum", "mean"] = Field(
+        "sum",
+        description="process mode: a token's advantage is the sum (DeepSeekMath) or the mean of "
+        "the normalised rewards of the steps ending at or after it",
+    )
+    process_outcome_weight: float = Field(
+        0.0,
+        ge=0,
+        description="process mode: plus this weight times the outcome advantage (z-score of the "
+        "weighted reward_funcs), so the format and other outcome rewards still count",
     )
     mu: int = Field(1, ge=1, description="policy updates per rollout batch")
     old_logprobs: Literal["recompute", "sampler"] = Field(

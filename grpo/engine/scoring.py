@@ -124,13 +124,20 @@ def token_advantages(
     if g.advantage_mode != PROCESS:
         adv = group_advantages(rewards, ro.group_size, g.advantage_mode)  # [N]
         return adv.unsqueeze(1).expand(n, c)
-    steps = PROCESS_REWARDS[g.process_reward](texts, answer=[r["answer"] for r in rows])
+    steps = PROCESS_REWARDS[g.process_reward](
+        completions=texts, prompt=[r["prompt"] for r in rows], answer=[r["answer"] for r in rows]
+    )
     step_rewards = [r for r, _ in steps]
     step_ends = [
         step_token_ends(tok, ro.completion_ids[i], int(ro.lengths[i]), char_ends)
         for i, (_, char_ends) in enumerate(steps)
     ]
-    return process_advantages(step_rewards, step_ends, ro.group_size, c)
+    adv = process_advantages(step_rewards, step_ends, ro.group_size, c,
+                             reduce=g.process_advantage)  # fmt: skip
+    if g.process_outcome_weight:
+        outcome = group_advantages(rewards, ro.group_size, "zscore")  # [N]
+        adv = adv + g.process_outcome_weight * outcome.unsqueeze(1) * ro.completion_mask
+    return adv
 
 
 def step_token_ends(tok: Any, ids: torch.Tensor, length: int, char_ends: list[int]) -> list[int]:

@@ -25,3 +25,28 @@ def test_gpu_check_runs_on_the_cpu(tmp_path):
         assert e["logp_gap_max"] < 1e-4  # fp32 on the CPU: both engines agree with the forward
     assert result["update"]["grad_norm"] > 0
     assert "| fast |" in out.read_text() and "| hf |" in out.read_text()
+
+
+def test_process_vs_outcome_runs_and_reports(tmp_path):
+    """The three-way comparison on a tiny model for 2 steps: a table row per variant and the
+    control, paired differences, the plot."""
+    from grpo.launch.paths import base_model_dir
+    from tests.helpers import SMALL, small_config
+
+    ref = base_model_dir(small_config(tmp_path))
+    sets = [x for s in SMALL if not s.startswith("deepspeed") for x in ("--set", s)]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "process_vs_outcome.py"), "--reference",
+         str(ref), "--variant", "outcome=", "--variant",
+         "process=grpo.advantage_mode=process;grpo.process_outcome_weight=0.5", *sets,
+         "--set", f"output_dir={tmp_path}", "--set", "deepspeed.master_port=29645",
+         "--out", str(tmp_path / "out"), "--report-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = (tmp_path / "PROCESS.md").read_text()
+    for name in ("| outcome |", "| process |", "| sft_continued |"):
+        assert name in report
+    assert (tmp_path / "process_curves.png").stat().st_size > 10_000
+    rows = [json.loads(x) for x in (tmp_path / "out" / "results.jsonl").open()]
+    assert "synthetic_vs_outcome" in rows[1] and rows[2]["seconds"] == rows[0]["seconds"]

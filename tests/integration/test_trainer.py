@@ -86,7 +86,8 @@ def test_process_advantages_map_characters_to_tokens(tmp_path):
     tok = load_tokenizer(base_model_dir(cfg))
     texts = ["<think>1+2=3</think><answer>3</answer>", "<think>1+2=4</think><answer>4</answer>"]
     ro = fixed_rollout(tok, texts)
-    adv = token_advantages(cfg.grpo, ro, torch.zeros(2), [{"answer": "3"}] * 2, texts, tok)
+    rows = [{"prompt": "1+2=", "answer": "3"}] * 2
+    adv = token_advantages(cfg.grpo, ro, torch.zeros(2), rows, texts, tok)
     # pooled step rewards (1, 1, 0, 0): mean 0.5, std 0.5 -> +1 / -1 (up to eps)
     # completion 0: step "1+2=3" ends at token 5 (<think> is one token), answer at the end
     assert adv[0, 0].item() == pytest.approx(2.0, rel=1e-3)  # both steps end at/after t=0
@@ -94,6 +95,12 @@ def test_process_advantages_map_characters_to_tokens(tmp_path):
     assert adv[1, 0].item() == pytest.approx(-2.0, rel=1e-3)
     n0 = int(ro.lengths[0])
     assert adv[0, n0:].abs().sum() == 0  # after the last step end (the EOS) nothing
+    # plus half the outcome advantage: outcome rewards (1, 0) z-score to +1 / -1 (up to eps),
+    # over each completion's own tokens only
+    g = cfg.grpo.model_copy(update={"process_outcome_weight": 0.5})
+    both = token_advantages(g, ro, torch.tensor([1.0, 0.0]), rows, texts, tok)
+    expected = 0.5 * torch.tensor([[1.0], [-1.0]]) * ro.completion_mask
+    torch.testing.assert_close(both - adv, expected, atol=1e-3, rtol=0)
 
 
 def test_skipping_zero_advantage_rows_gives_the_same_update(tmp_path):

@@ -84,3 +84,17 @@ def test_batch_std_scales_by_the_whole_batchs_std():
     adv = group_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), 2, "batch_std", eps=0.0)
     s = math.sqrt(3) / 4
     assert adv.tolist() == pytest.approx([0.5 / s, -0.5 / s, 0.0, 0.0])
+
+
+def test_process_advantages_mean_and_sum_hand_values():
+    """One group of two completions. Completion 0: steps (1, 1) ending at tokens 1 and 3;
+    completion 1: steps (0, 0) ending at 1 and 3. Pooled (1, 1, 0, 0): mean 0.5, std 0.5, so
+    each step is +1 or -1. sum: tokens 0-1 get +2 (both steps end at or after them), 2-3 get +1;
+    mean: every token of completion 0 gets +1, of completion 1 -1."""
+    rewards, ends = [[1.0, 1.0], [0.0, 0.0]], [[1, 3], [1, 3]]
+    s = process_advantages(rewards, ends, 2, 5, eps=0.0, reduce="sum")
+    m = process_advantages(rewards, ends, 2, 5, eps=0.0, reduce="mean")
+    assert s[0].tolist() == [2.0, 2.0, 1.0, 1.0, 0.0] and s[1].tolist() == [-2, -2, -1, -1, 0]
+    assert m[0].tolist() == [1.0, 1.0, 1.0, 1.0, 0.0] and m[1].tolist() == [-1, -1, -1, -1, 0]
+    with pytest.raises(ValueError, match="reduce"):
+        process_advantages(rewards, ends, 2, 5, reduce="max")

@@ -159,3 +159,14 @@ def test_a_hostfile_whose_ranks_do_not_split_the_prompts_is_refused(tmp_path):
     hosts.write_text("node-0 gpus=4\n")
     with pytest.raises(PreflightError, match="line 1: expected 'hostname slots=N'"):
         hostfile_world_size(hosts)
+
+
+def test_the_readmes_trl_example_loads(tmp_path):
+    text = (ROOT / "README.md").read_text()
+    block = text.split("# configs/my.yaml: TRL names")[1].split("```")[0]
+    p = tmp_path / "my.yaml"
+    p.write_text(block.split("\n", 1)[1])
+    cfg = load_config(p)
+    assert cfg.model.path == "/models/Qwen2.5-0.5B-Instruct"
+    assert (cfg.grpo.lr, cfg.grpo.steps, cfg.grpo.advantage_mode) == (1e-6, 500, "zscore")
+    assert cfg.grpo.reward_funcs[0] == "trl.rewards:accuracy_reward"

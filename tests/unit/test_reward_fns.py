@@ -138,7 +138,7 @@ def test_registries_list_every_builtin_once():
     from reward_fns import PROCESS_REWARDS, REWARD_FUNCS
 
     assert sorted(REWARD_FUNCS) == ["accuracy", "format", "soft_overlong"]
-    assert list(PROCESS_REWARDS) == ["arithmetic_steps"]
+    assert list(PROCESS_REWARDS) == ["column_steps", "arithmetic_steps"]
 
 
 @settings(max_examples=150, deadline=None)
@@ -149,3 +149,37 @@ def test_integer_shortcut_agrees_with_math_verify(a, b, zeros):
     pred = ("-" if a < 0 else "") + "0" * zeros + str(abs(a))  # leading zeros too
     for gold in (str(b), str(a)):
         assert answer_matches(pred, gold) == _math_verify_matches(pred, gold)
+
+
+def test_column_steps_scores_the_problems_own_steps():
+    from grpo.data.synthetic import worked_solution
+    from reward_fns import column_steps
+
+    # a correct worked solution: every column step and the answer score 1 (the trailing carry
+    # digit "1" is not an x+y=s step)
+    for a, b in [(47, 85), (999, 1), (5, 3), (120, 7)]:
+        ((rewards, ends),) = column_steps([worked_solution(a, b)], [f"{a}+{b}="], [str(a + b)])
+        assert rewards == [1.0] * len(rewards) and len(rewards) == len(str(max(a, b))) + 1
+    # true but irrelevant sums earn nothing; the real answer still scores
+    ((rewards, _),) = column_steps(
+        ["<think>1+1=2 2+2=4</think><answer>132</answer>"], ["47+85="], ["132"]
+    )
+    assert rewards == [0.0, 0.0, 1.0]
+    # the carry forgotten in column 2: caught there, column 1 still right
+    ((rewards, _),) = column_steps(
+        ["<think>7+5=12 4+8=12 1</think><answer>122</answer>"], ["47+85="], ["132"]
+    )
+    assert rewards == [1.0, 0.0, 0.0]
+    # a wrong sum in column 1 and an extra step beyond the problem's columns
+    ((rewards, _),) = column_steps(
+        ["<think>7+5=13 4+8+1=13 1+0=1</think><answer>132</answer>"], ["47+85="], ["132"]
+    )
+    assert rewards == [0.0, 1.0, 0.0, 1.0]
+
+
+def test_arithmetic_steps_is_gamed_by_easy_sums_where_column_steps_is_not():
+    from reward_fns import arithmetic_steps, column_steps
+
+    gamed = ["<think>1+1=2 2+2=4 3+3=6</think><answer>0</answer>"]
+    assert arithmetic_steps(gamed, ["132"])[0][0] == [1.0, 1.0, 1.0, 0.0]
+    assert column_steps(gamed, ["47+85="], ["132"])[0][0] == [0.0, 0.0, 0.0, 0.0]
