@@ -22,7 +22,7 @@ def main() -> None:
 
     from grpo.config import load_config
     from grpo.engine.loop import Trainer
-    from grpo.engine.sampling import sample_step
+    from grpo.engine.sampling import keep_groups, sample_step
     from grpo.engine.scoring import token_advantages
     from grpo.launch.paths import base_model_dir
 
@@ -39,22 +39,18 @@ def main() -> None:
     t = Trainer(cfg, a.model or base_model_dir(cfg), out / "grpo")
 
     def sample(step: int):  # noqa: ANN202
-        return sample_step(t.engine.module, t.tok, cfg, t.train_rows, step=step, rank=0,
-                           world=1, device=t.device, eos_ids=t.eos_ids)  # fmt: skip
-
-    def advantages(ro, rows, texts):  # noqa: ANN202
-        rewards = t.scorer(ro, rows, texts)[0]
-        per_completion = [rows[i // ro.group_size] for i in range(len(texts))]
-        return token_advantages(cfg.grpo, ro, rewards, per_completion, texts, t.tok)
+        """(rollout, advantages) of one step: sampling and scoring, then the advantages."""
+        sampled = sample_step(t.engine.module, t.tok, cfg, t.train_rows, t.scorer, step=step,
+                              rank=0, world=1, device=t.device, eos_ids=t.eos_ids)  # fmt: skip
+        ro, scores, texts, rows = keep_groups(sampled, t.local_prompts)
+        return ro, token_advantages(cfg.grpo, ro, scores.rewards, rows, texts, t.tok)
 
     for step in range(3):
-        ro, rows, texts = sample(step)
-        t.policy_update.update(ro, advantages(ro, rows, texts), None)
+        t.policy_update.update(*sample(step), None)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        ro, rows, texts = sample(3)
+        ro, adv = sample(3)
     print(f"sampling: {tuple(ro.completion_ids.shape)} completions x tokens")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.rows))
-    adv = advantages(ro, rows, texts)
     trained = t.policy_update.trained_rows(adv, ro.completion_mask).numel()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t.policy_update.update(ro, adv, None)

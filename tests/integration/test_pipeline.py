@@ -68,6 +68,9 @@ def test_end_to_end_logs_registers_and_loads(store):
     reward = c.get_metric_history(grpo_run, "reward")
     assert [m.step for m in reward] == [1, 2, 3]
     assert len(c.get_metric_history(grpo_run, "eval/heldout_accuracy")) == 4  # steps 0..3
+    # the clamp share and the sampler-vs-trainer log-prob gap, every step, in MLflow
+    for key in ("clamp/log_ratio_frac", "logprob_gap/mean", "logprob_gap/max"):
+        assert [m.step for m in c.get_metric_history(grpo_run, key)] == [1, 2, 3], key
 
     def files(run_id, path=""):
         out = []
