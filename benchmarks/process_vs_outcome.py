@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -73,14 +74,19 @@ def main() -> None:
     for spec in a.variant:
         name, _, rest = spec.partition("=")
         cfg = load_config(None, [*common, *[v for v in rest.split(";") if v]])
-        # the trainer's own seconds (start-up of the process left out): the control's budget
-        secs = run_grpo(cfg, Path(a.reference), out / name, log=lambda s: None)["seconds"]
+        # the trainer's own seconds (start-up of the process left out): the control's budget;
+        # a variant already trained in --out is reused (a rerun after an interruption)
+        done = out / name / "train_summary.json"
+        if done.exists() and (out / name / "policy").is_dir():
+            secs = json.loads(done.read_text())["seconds"]
+        else:
+            secs = run_grpo(cfg, Path(a.reference), out / name, log=lambda s: None)["seconds"]
         evaluate_model(cfg, str(out / name / "policy"), SETS, str(out / name / "eval"),
                        progress=False)  # fmt: skip
         mine = {s: _samples(out / name / "eval" / "samples.jsonl", s) for s in SETS}
         curve = [json.loads(x) for x in (out / name / "metrics.jsonl").open()]
         res = {"name": name, "overrides": rest, "seconds": round(secs, 1),
-               "step_time": sorted(r["step_time"] for r in curve)[len(curve) // 2],
+               "step_time": statistics.median(r["step_time"] for r in curve if "step_time" in r),
                "curve": [(r["step"], r.get("eval/heldout_accuracy"), r.get("reward"))
                          for r in curve],
                "step_stats": _step_stats(out / name)}  # fmt: skip
@@ -98,8 +104,10 @@ def main() -> None:
             baseline = {"name": name, "samples": mine, "seconds": secs, "cfg": cfg}
     if not a.no_control and baseline is not None:
         ctl = out / "sft_continued"
-        train_sft(baseline["cfg"], a.reference, ctl, training_sets(baseline["cfg"]),
-                  max_seconds=baseline["seconds"], early_stop=False, progress=False)  # fmt: skip
+        if not (ctl / "config.json").exists():  # reused on a rerun, like the variants
+            cfg = baseline["cfg"]
+            train_sft(cfg, a.reference, ctl, training_sets(cfg), max_seconds=baseline["seconds"],
+                      early_stop=False, progress=False)  # fmt: skip
         evaluate_model(baseline["cfg"], str(ctl), SETS, str(out / "sft_continued_eval"),
                        progress=False)  # fmt: skip
         mine = {s: _samples(out / "sft_continued_eval" / "samples.jsonl", s) for s in SETS}
@@ -159,16 +167,19 @@ def _report(results: list[dict], ref_acc: dict, base: str, a: argparse.Namespace
         )
     lines += [
         "",
-        "Column steps written correctly (share of `x+y(+c)=s` steps that are the "
-        "problem's own, over the logged completions), at the first and last logged step:",
+        "Column steps written correctly (share of `x+y(+c)=s` steps that are the problem's own, "
+        "scored by column_steps over the logged completions: the first of each group every 10 "
+        "steps), at the first logged step and over the last 5:",
         "",
-        "| variant | first | last | steps per completion (last) |",
+        "| variant | step 1 | last 5 logged steps | steps per completion (last 5) |",
         "|---|---|---|---|",
     ]
     for r in results:
         if r.get("step_stats"):
-            f0, f1 = r["step_stats"][0], r["step_stats"][-1]
-            lines.append(f"| {r['name']} | {f0[1]:.3f} | {f1[1]:.3f} | {f1[2]:.2f} |")
+            first, last = r["step_stats"][0], r["step_stats"][-5:]
+            share = sum(x[1] for x in last) / len(last)
+            per = sum(x[2] for x in last) / len(last)
+            lines.append(f"| {r['name']} | {first[1]:.3f} | {share:.3f} | {per:.2f} |")
     report = Path(a.report_dir)
     (report / "PROCESS.md").write_text("\n".join(lines) + "\n")
 

@@ -39,13 +39,15 @@ class GRPOConfig(Strict):
     process_reward: str = Field(
         "column_steps", description="step-level reward for advantage_mode 'process'"
     )
+    # process defaults: the best process form measured (benchmarks/PROCESS.md); DeepSeekMath's
+    # own form is process_advantage sum with process_outcome_weight 0
     process_advantage: Literal["sum", "mean"] = Field(
-        "sum",
+        "mean",
         description="process mode: a token's advantage is the sum (DeepSeekMath) or the mean of "
         "the normalised rewards of the steps ending at or after it",
     )
     process_outcome_weight: float = Field(
-        0.0,
+        1.0,
         ge=0,
         description="process mode: plus this weight times the outcome advantage (z-score of the "
         "weighted reward_funcs), so the format and other outcome rewards still count",

@@ -50,3 +50,19 @@ def test_process_vs_outcome_runs_and_reports(tmp_path):
     assert (tmp_path / "process_curves.png").stat().st_size > 10_000
     rows = [json.loads(x) for x in (tmp_path / "out" / "results.jsonl").open()]
     assert "synthetic_vs_outcome" in rows[1] and rows[2]["seconds"] == rows[0]["seconds"]
+
+
+def test_utilization_counts_the_matmuls_of_both_phases(tmp_path):
+    out = tmp_path / "util.md"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "utilization.py"), "--repeats", "1",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {line.split("|")[1].strip(): line.split("|") for line in out.read_text().splitlines()
+            if line.startswith("| sampling") or line.startswith("| update")}  # fmt: skip
+    assert set(rows) == {"sampling", "update"}
+    for cells in rows.values():
+        gflop, share = float(cells[3]), float(cells[8].strip().rstrip("%"))
+        assert gflop > 0 and 0 < share < 200  # a share, noisy but not absurd

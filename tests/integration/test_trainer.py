@@ -82,7 +82,9 @@ def test_process_advantages_map_characters_to_tokens(tmp_path):
     from grpo.engine.scoring import token_advantages
     from grpo.models.loading import load_tokenizer
 
-    cfg = small_config(tmp_path, "grpo.advantage_mode=process", "grpo.num_generations=2")
+    # DeepSeekMath's form: summed step advantages, no outcome term
+    cfg = small_config(tmp_path, "grpo.advantage_mode=process", "grpo.num_generations=2",
+                       "grpo.process_advantage=sum", "grpo.process_outcome_weight=0")  # fmt: skip
     tok = load_tokenizer(base_model_dir(cfg))
     texts = ["<think>1+2=3</think><answer>3</answer>", "<think>1+2=4</think><answer>4</answer>"]
     ro = fixed_rollout(tok, texts)
