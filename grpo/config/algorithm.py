@@ -39,10 +39,10 @@ class GRPOConfig(Strict):
     process_reward: str = Field(
         "column_steps", description="step-level reward for advantage_mode 'process'"
     )
-    # process defaults: the best process form measured (benchmarks/PROCESS.md); DeepSeekMath's
-    # own form is process_advantage sum with process_outcome_weight 0
+    # process defaults: the best process form measured (benchmarks/PROCESS.md), DeepSeekMath's
+    # sum plus the outcome advantage; the paper's own form is process_outcome_weight 0
     process_advantage: Literal["sum", "mean"] = Field(
-        "mean",
+        "sum",
         description="process mode: a token's advantage is the sum (DeepSeekMath) or the mean of "
         "the normalised rewards of the steps ending at or after it",
     )
