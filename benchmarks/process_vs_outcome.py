@@ -52,7 +52,6 @@ def main() -> None:
     from grpo.config import load_config
     from grpo.data.sets import training_sets
     from grpo.engine.sft import train_sft
-    from grpo.eval.metrics import paired_difference
     from grpo.eval.run import evaluate_model
     from grpo.launch.runner import run_grpo
 
@@ -90,13 +89,7 @@ def main() -> None:
                "curve": [(r["step"], r.get("eval/heldout_accuracy"), r.get("reward"))
                          for r in curve],
                "step_stats": _step_stats(out / name)}  # fmt: skip
-        for s in SETS:
-            res[s] = sum(r["correct"] for r in mine[s]) / len(mine[s])
-            d = paired_difference(ref[s], mine[s])
-            res[f"{s}_vs_ref"] = [d["diff"], d["ci_low"], d["ci_high"]]
-            if baseline is not None:
-                d = paired_difference(baseline["samples"][s], mine[s])
-                res[f"{s}_vs_{baseline['name']}"] = [d["diff"], d["ci_low"], d["ci_high"]]
+        res.update(_compare(mine, ref, baseline))
         print(json.dumps({k: v for k, v in res.items() if k not in ("curve", "step_stats")}),
               flush=True)  # fmt: skip
         results.append(res)
@@ -113,12 +106,7 @@ def main() -> None:
         mine = {s: _samples(out / "sft_continued_eval" / "samples.jsonl", s) for s in SETS}
         res = {"name": "sft_continued", "overrides": f"SFT for {baseline['seconds']:.0f} s",
                "seconds": round(baseline["seconds"], 1)}  # fmt: skip
-        for s in SETS:
-            res[s] = sum(r["correct"] for r in mine[s]) / len(mine[s])
-            d = paired_difference(ref[s], mine[s])
-            res[f"{s}_vs_ref"] = [d["diff"], d["ci_low"], d["ci_high"]]
-            d = paired_difference(baseline["samples"][s], mine[s])
-            res[f"{s}_vs_{baseline['name']}"] = [d["diff"], d["ci_low"], d["ci_high"]]
+        res.update(_compare(mine, ref, baseline))
         print(json.dumps(res), flush=True)
         results.append(res)
     ref_acc = {s: sum(r["correct"] for r in ref[s]) / len(ref[s]) for s in SETS}
@@ -126,6 +114,20 @@ def main() -> None:
         for r in results:
             f.write(json.dumps(r) + "\n")
     _report(results, ref_acc, baseline["name"] if baseline else "", a, out)
+
+
+def _compare(mine: dict, ref: dict, baseline: dict | None) -> dict:
+    """Accuracy per set, and paired differences to the reference and to the baseline."""
+    from grpo.eval.metrics import paired_difference
+
+    out: dict = {}
+    others = [("ref", ref)] + ([(baseline["name"], baseline["samples"])] if baseline else [])
+    for s in SETS:
+        out[s] = sum(r["correct"] for r in mine[s]) / len(mine[s])
+        for name, samples in others:
+            d = paired_difference(samples[s], mine[s])
+            out[f"{s}_vs_{name}"] = [d["diff"], d["ci_low"], d["ci_high"]]
+    return out
 
 
 def _ci(v: list[float]) -> str:

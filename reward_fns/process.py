@@ -37,6 +37,21 @@ def column_steps_of(a: int, b: int) -> list[tuple[list[int], int]]:
     return steps
 
 
+def _written_steps(text: str) -> list[tuple[list[int], int, int]]:
+    """(terms, sum, end character) of each `a+b(+c)=s` written inside <think>."""
+    think_end = text.find("</think>")
+    region = text if think_end < 0 else text[:think_end]
+    return [([int(x) for x in m.group(1).split("+")], int(m.group(2)), m.end() - 1)
+            for m in _STEP.finditer(region)]  # fmt: skip
+
+
+def _with_answer_step(
+    text: str, gold: str, rewards: list[float], ends: list[int]
+) -> tuple[list[float], list[int]]:
+    """The final answer as one more step, ending where the completion ends."""
+    return [*rewards, 1.0 if is_correct(text, gold) else 0.0], [*ends, max(len(text) - 1, 0)]
+
+
 @process_reward("column_steps")
 def column_steps(
     completions: Sequence[Any], prompt: Sequence[str], answer: Sequence[str], **kwargs: Any
@@ -59,17 +74,10 @@ def column_steps(
             continue
         truth = column_steps_of(int(m.group(1)), int(m.group(2)))
         text = completion_text(completion)
-        think_end = text.find("</think>")
-        region = text if think_end < 0 else text[:think_end]
-        rewards, ends = [], []
-        for k, step in enumerate(_STEP.finditer(region)):
-            terms = [int(x) for x in step.group(1).split("+")]
-            ok = k < len(truth) and (terms, int(step.group(2))) == truth[k]
-            rewards.append(1.0 if ok else 0.0)
-            ends.append(step.end() - 1)
-        rewards.append(1.0 if is_correct(text, gold) else 0.0)
-        ends.append(max(len(text) - 1, 0))
-        out.append((rewards, ends))
+        steps = _written_steps(text)
+        rewards = [float(k < len(truth) and (terms, total) == truth[k])
+                   for k, (terms, total, _) in enumerate(steps)]  # fmt: skip
+        out.append(_with_answer_step(text, gold, rewards, [end for *_, end in steps]))
     return out
 
 
@@ -87,14 +95,7 @@ def arithmetic_steps(
     out = []
     for completion, gold in zip(completions, answer):
         text = completion_text(completion)
-        think_end = text.find("</think>")
-        region = text if think_end < 0 else text[:think_end]
-        rewards, ends = [], []
-        for m in _STEP.finditer(region):
-            terms = [int(x) for x in m.group(1).split("+")]
-            rewards.append(1.0 if sum(terms) == int(m.group(2)) else 0.0)
-            ends.append(m.end() - 1)
-        rewards.append(1.0 if is_correct(text, gold) else 0.0)
-        ends.append(max(len(text) - 1, 0))
-        out.append((rewards, ends))
+        steps = _written_steps(text)
+        rewards = [float(sum(terms) == total) for terms, total, _ in steps]
+        out.append(_with_answer_step(text, gold, rewards, [end for *_, end in steps]))
     return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 
 from grpo.config import DataConfig
+from reward_fns.process import column_steps_of
 
 
 def worked_solution(a: int, b: int) -> str:
@@ -22,16 +23,10 @@ def worked_solution(a: int, b: int) -> str:
     >>> worked_solution(47, 85)
     '<think>7+5=12 4+8+1=13 1</think><answer>132</answer>'
     """
-    da, db = str(a)[::-1], str(b)[::-1]
-    steps, carry = [], 0
-    for i in range(max(len(da), len(db))):
-        x = int(da[i]) if i < len(da) else 0
-        y = int(db[i]) if i < len(db) else 0
-        s = x + y + carry
-        steps.append(f"{x}+{y}+{carry}={s}" if carry else f"{x}+{y}={s}")
-        carry = s // 10
-    if carry:
-        steps.append("1")
+    columns = column_steps_of(a, b)  # the steps reward_fns' column_steps checks
+    steps = ["+".join(map(str, terms)) + f"={total}" for terms, total in columns]
+    if columns[-1][1] >= 10:
+        steps.append("1")  # the carry out of the last column
     return f"<think>{' '.join(steps)}</think><answer>{a + b}</answer>"
 
 

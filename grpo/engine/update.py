@@ -79,7 +79,7 @@ class PolicyUpdate:
         grad_norms: list[float] = []
         # pi_old: the sampler's log-probs, replaced row by row by the first pass's own forward
         # (the parameters do not change within a pass) when old_logprobs is recompute
-        self.old = ro.sampling_logps.clone()
+        self.old = ro.sampling_logps.clone() if g.mu > 1 else ro.sampling_logps
         self.gap = [0.0, 0.0, 0.0]  # |trainer - sampler| log-prob: sum, tokens, max
         for self.pass_ in range(g.mu):
             for j in range(self.n_micro):
@@ -186,7 +186,7 @@ class PolicyUpdate:
         logps = token_logprobs(logits, cids, g.temperature)  # [mb, c]
         if self.pass_ == 0 and record:
             self._record_gap(logps.detach(), ro.sampling_logps[idx, :c], mask)
-            if g.old_logprobs == "recompute":
+            if g.old_logprobs == "recompute" and g.mu > 1:
                 self.old[idx, :c] = logps.detach()
         # mu = 1: pi_old is the current policy exactly (rho = 1, the gradient is the PG)
         old = self.old[idx, :c] if g.mu > 1 else logps.detach()
