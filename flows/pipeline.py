@@ -53,10 +53,10 @@ def grpo_pipeline(params: PipelineParams = PipelineParams()) -> dict[str, Any]: 
     try:
         stages.validate_data(cfg, pid, run_dir)
         ref = stages.build_reference(cfg, pid)
-        trained = stages.train_policy(cfg, pid, ref, run_dir)
+        trained, control = _train_with_control(cfg, pid, ref, run_dir, params.control)
         models = {"reference": ref, "grpo": trained["policy"]}
-        if params.control and cfg.sft.enabled:
-            models["sft_continued"] = stages.sft_control(cfg, pid, ref, trained["seconds"], run_dir)
+        if control:
+            models["sft_continued"] = control
         # the current champion, evaluated on the same problems: the gate's paired evidence
         champ = registry.champion(cfg, run_dir / "champion")
         if champ["path"]:
@@ -72,6 +72,32 @@ def grpo_pipeline(params: PipelineParams = PipelineParams()) -> dict[str, Any]: 
               "seconds": time.time() - t0, "tracking_uri": tracking.tracking_uri(cfg)}  # fmt: skip
     _print_summary(result)
     return result
+
+
+def _train_with_control(
+    cfg: Any, pid: str, ref: str, run_dir: Path, control: bool
+) -> tuple[dict[str, Any], str | None]:
+    """GRPO, and the SFT control for the same wall time: beside it, each on half the cores,
+    following its progress file, or after it for its seconds (sft.control)."""
+    from grpo.engine.pace import PROGRESS_FILE, mark_done
+    from tasks import stages
+
+    if not (control and cfg.sft.enabled):
+        return stages.train_policy(cfg, pid, ref, run_dir), None
+    threads = stages.control_threads(cfg)
+    if threads is None:
+        trained = stages.train_policy(cfg, pid, ref, run_dir)
+        return trained, stages.sft_control(cfg, pid, ref, run_dir, seconds=trained["seconds"])
+    pace = run_dir / "grpo" / PROGRESS_FILE
+    if pace.exists():  # a resumed run's file says done: the control follows this attempt
+        pace.unlink()
+    future = stages.sft_control.submit(cfg, pid, ref, run_dir, follow=pace, threads=threads)
+    try:
+        trained = stages.train_policy(cfg, pid, ref, run_dir, threads=threads)
+    finally:
+        mark_done(pace)  # also when GRPO failed: the control must not outlive it
+        future.wait()
+    return trained, future.result()
 
 
 def _link_mlflow_run(uri: str, exp_id: str, run_id: str) -> None:

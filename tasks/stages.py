@@ -142,10 +142,13 @@ def _log_reference_once(c: Any, run_id: str, ref: Path) -> None:
 
 
 @task(name="train-grpo", retries=1, retry_delay_seconds=5)
-def train_policy(cfg: Config, parent_id: str, reference: str, run_dir: Path) -> dict[str, Any]:
+def train_policy(
+    cfg: Config, parent_id: str, reference: str, run_dir: Path, threads: int | None = None
+) -> dict[str, Any]:
     """GRPO ranks as a subprocess (DeepSpeed launcher when distributed), logs streamed.
 
-    A retry resumes from the last checkpoint of the same run directory.
+    A retry resumes from the last checkpoint of the same run directory. `threads` limits its
+    CPU threads (the control runs beside it on the others).
     """
     import pandas as pd
     from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
@@ -166,7 +169,8 @@ def train_policy(cfg: Config, parent_id: str, reference: str, run_dir: Path) -> 
         streamer = tracking.MetricsStreamer(cfg, run_id, out / "metrics.jsonl")
         try:
             with streamer:
-                summary = run_grpo(cfg, Path(reference), out, resume=True, log=log.info)
+                env = {"OMP_NUM_THREADS": str(threads)} if threads else None
+                summary = run_grpo(cfg, Path(reference), out, resume=True, log=log.info, env=env)
         finally:
             monitor.finish()
         n = streamer.drain()
@@ -186,26 +190,55 @@ def train_policy(cfg: Config, parent_id: str, reference: str, run_dir: Path) -> 
         })  # fmt: skip
         # "auto" in the config; the tag says which engine actually sampled
         c.set_tag(run_id, "generation_engine", summary.get("generation_engine", "unknown"))
+        if threads:
+            c.set_tag(run_id, "threads", str(threads))
     return {"policy": str(out / "policy"), "run_id": run_id, "seconds": summary["seconds"],
             "model_uri": model_uri}  # fmt: skip
 
 
-@task(name="sft-control")
-def sft_control(cfg: Config, parent_id: str, reference: str, seconds: float, run_dir: Path) -> str:
-    """The honest control: the SFT reference trained on for the GRPO stage's wall time."""
-    from grpo.data.sets import training_sets
-    from grpo.engine.sft import train_sft
+def control_threads(cfg: Config) -> int | None:
+    """Threads for each of GRPO and the control when they run side by side (half the cores
+    each), or None when the control runs after GRPO (sft.control)."""
+    import torch
 
+    from grpo.models.loading import device_for
+
+    mode = cfg.sft.control
+    if mode == "auto":
+        single = cfg.deepspeed.nproc == 1 and cfg.deepspeed.hostfile is None
+        mode = "concurrent" if single and device_for(cfg).type == "cpu" else "sequential"
+    return max(1, torch.get_num_threads() // 2) if mode == "concurrent" else None
+
+
+@task(name="sft-control")
+def sft_control(
+    cfg: Config,
+    parent_id: str,
+    reference: str,
+    run_dir: Path,
+    *,
+    seconds: float | None = None,
+    follow: Path | None = None,
+    threads: int | None = None,
+) -> str:
+    """The honest control: the SFT reference trained on for the GRPO stage's wall time, after
+    it (seconds) or beside it until its progress file says done (follow)."""
+    from grpo.launch.runner import run_control
+
+    log = get_run_logger()
     out = run_dir / "sft_control"
+    env = {"OMP_NUM_THREADS": str(threads)} if threads else None
     with stage_run(cfg, parent_id, "sft-control") as run_id:
-        summary = train_sft(
-            cfg, reference, out, training_sets(cfg), max_seconds=seconds, early_stop=False,
-            progress=False,
-        )  # fmt: skip
+        summary = run_control(cfg, Path(reference), out, seconds=seconds, follow=follow,
+                              log=log.info, env=env)  # fmt: skip
         c = tracking.client(cfg)
         rows = tracking.read_jsonl(out.with_name(out.name + "_metrics.jsonl"))
         tracking.log_step_metrics(c, run_id, rows, prefix="sft_control/")
         c.log_metric(run_id, "sft_control/seconds", float(summary["seconds"]))
+        c.log_metric(run_id, "sft_control/steps", float(summary["steps"]))
+        c.set_tag(run_id, "control_mode", "concurrent" if follow else "sequential")
+        if threads:
+            c.set_tag(run_id, "threads", str(threads))
     return str(out)
 
 

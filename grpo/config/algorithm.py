@@ -12,7 +12,7 @@ from grpo.config.trl_names import rename_trl_keys
 
 
 class GRPOConfig(Strict):
-    steps: int = Field(300, gt=0)
+    steps: int = Field(100, gt=0)
     prompts_per_step: int = Field(32, gt=0, description="global, across ranks")
     num_generations: int = Field(8, ge=2, description="G, completions per prompt")
     max_completion_length: int = Field(48, gt=0)

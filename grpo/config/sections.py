@@ -50,7 +50,7 @@ class DataConfig(Strict):
         "synthetic", description="synthetic arithmetic (embedded default) or your own files"
     )
     seed: int = 1234
-    num_sft: int = Field(400, ge=8, description="worked solutions for SFT (synthetic)")
+    num_sft: int = Field(300, ge=8, description="worked solutions for SFT (synthetic)")
     num_sft_val: int = Field(200, ge=8, description="held-back worked solutions, SFT early stop")
     num_train: int = Field(4000, ge=1, description="answer-only RL prompts (synthetic)")
     num_heldout: int = Field(1000, ge=1, description="in-distribution held-out (synthetic)")
@@ -86,11 +86,22 @@ class SFTConfig(Strict):
     lr: float = Field(3e-3, gt=0)
     batch_size: int = Field(32, gt=0)
     max_epochs: int = Field(
-        80, gt=0, description="cosine decay over this budget; early stopping usually ends it first"
+        300, gt=0, description="a cap only: the validation-loss plateau ends training first"
     )
     eval_every: int = Field(25, gt=0, description="steps between validation losses")
     patience: int = Field(
-        8, ge=1, description="validations without a better loss before stopping (best is kept)"
+        4,
+        ge=1,
+        description="validations without a better loss before the lr is cut (or, "
+        "after the last cut, training stops; the best checkpoint is kept)",
+    )
+    lr_cuts: int = Field(1, ge=0, description="learning-rate cuts before a plateau stops training")
+    lr_cut_factor: float = Field(0.3, gt=0, lt=1, description="multiplier of each cut")
+    control: Literal["auto", "concurrent", "sequential"] = Field(
+        "auto",
+        description="the SFT-continued control: beside GRPO, each on half the CPU cores for the "
+        "same wall time (concurrent), or after it for GRPO's seconds on the whole device "
+        "(sequential); auto: concurrent for one CPU process, sequential on GPUs or several ranks",
     )
     warmup_steps: int = Field(20, ge=0)
     weight_decay: float = Field(0.0, ge=0)

@@ -22,6 +22,7 @@ from grpo.config import Config
 from grpo.data.sets import eval_set, training_sets
 from grpo.engine.deepspeed_setup import build_engine, gathered, save_policy
 from grpo.engine.distributed import all_reduce_sum, init_distributed
+from grpo.engine.pace import PROGRESS_FILE, write_progress
 from grpo.engine.reference import Reference
 from grpo.engine.rollout_metrics import rollout_metrics
 from grpo.engine.run_files import RunFiles
@@ -95,11 +96,15 @@ class Trainer:
             self.files.log_metrics(m)
             if (step + 1) % g.checkpoint_every == 0 or step + 1 == g.steps:
                 self.files.save_checkpoint(self.engine, step + 1)
+            if self.rank == 0:
+                write_progress(self.out / PROGRESS_FILE, step + 1, g.steps)
             bar.update(1)
             bar.set_postfix(reward=f"{m['reward']:.3f}", kl=f"{m.get('kl', 0):.4f}", refresh=False)
             last = m
         bar.close()
         self.files.close()
+        if self.rank == 0:  # a control running beside this run stops here
+            write_progress(self.out / PROGRESS_FILE, g.steps, g.steps, done=True)
         save_policy(self.engine, self.tok, self.out / "policy", self.rank,
                     self.cfg.deepspeed.zero_stage)  # fmt: skip
         engine = resolve_engine(self.engine.module, self.cfg.model.generation_engine)

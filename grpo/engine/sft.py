@@ -1,9 +1,10 @@
 """SFT build of the reference policy: worked solutions, loss on the completion tokens only.
 
-Trained until the validation loss on held-back worked solutions stops improving (patience), and
-the best checkpoint is kept: the reference is as good as its data allows, so that any later gain
-is GRPO's and not an undertrained starting point's. `max_seconds` without early stopping gives
-the control run: SFT simply continued for the GRPO stage's wall time.
+Trained until the validation loss on held-back worked solutions stops improving, also after the
+learning rate has been cut (`PlateauLR`), and the best checkpoint is kept: the reference is as
+good as its data allows, so that any later gain is GRPO's and not an undertrained starting
+point's. The control run is SFT simply continued for the GRPO stage's wall time: given in seconds
+(`max_seconds`, after GRPO) or by following GRPO's progress file while it trains (`follow`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import torch
 from grpo.config import Config
 from grpo.engine.deepspeed_setup import build_engine, save_policy
 from grpo.engine.distributed import all_reduce_sum, init_distributed
-from grpo.engine.schedules import lr_lambda, time_cosine
+from grpo.engine.pace import read_progress
+from grpo.engine.schedules import PlateauLR, progress_cosine
 from grpo.models.loading import device_for, load_model, load_tokenizer
 from grpo.models.prompts import render_prompt
 from grpo.progress import progress_bar
@@ -80,6 +82,29 @@ def _val_loss(engine: Any, data: list, pad: int, device: torch.device, bs: int) 
     return total / max(count, 1)
 
 
+class _Budget:
+    """The control's budget: seconds from the first call, or the progress of a followed run."""
+
+    def __init__(self, seconds: float | None, follow: Path | None) -> None:
+        if seconds is not None and follow is not None:
+            raise ValueError("give the control a budget in seconds or a run to follow, not both")
+        self.seconds, self.follow = seconds, follow
+        self.limited = seconds is not None or follow is not None
+        self.t0: float | None = None
+
+    def fraction(self) -> float:
+        if self.follow is not None:
+            return read_progress(self.follow)[0]
+        if self.t0 is None:
+            self.t0 = time.time()
+        return (time.time() - self.t0) / self.seconds if self.seconds else 0.0
+
+    def spent(self) -> bool:
+        if self.follow is not None:
+            return read_progress(self.follow)[1]
+        return self.seconds is not None and self.fraction() >= 1.0
+
+
 def train_sft(
     cfg: Config,
     base_dir: str | Path,
@@ -87,10 +112,14 @@ def train_sft(
     sets: dict[str, list[dict]],
     *,
     max_seconds: float | None = None,
+    follow: Path | None = None,
     early_stop: bool = True,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Fine-tune base_dir on sets['sft'], early-stopped on sets['sft_val']; save to out_dir."""
+    """Fine-tune base_dir on sets['sft'], early-stopped on sets['sft_val']; save to out_dir.
+
+    With max_seconds or follow (the control) it trains for that budget instead, its learning
+    rate annealed over it, and keeps the last weights."""
     rank, world = init_distributed(cfg.deepspeed.timeout_s)
     device = device_for(cfg)
     torch.manual_seed(cfg.seed)
@@ -102,13 +131,10 @@ def train_sft(
     train = _encode(tok, sets["sft"], cfg)
     val = _encode(tok, sets["sft_val"], cfg)[rank::world]
     steps_per_epoch = math.ceil(len(train) / s.batch_size)
-    total = steps_per_epoch * s.max_epochs
-    # cosine over the epoch budget; the control (max_seconds) anneals over its wall time instead
-    lr_fn = (
-        time_cosine(s.warmup_steps, max_seconds)
-        if max_seconds
-        else lr_lambda(s.warmup_steps, total, "cosine")
-    )
+    # the reference cuts its learning rate at each plateau; the control anneals over its budget
+    plateau = PlateauLR(s.warmup_steps, s.patience, s.lr_cuts, s.lr_cut_factor)
+    budget = _Budget(max_seconds, follow)
+    lr_fn = progress_cosine(s.warmup_steps, budget.fraction) if budget.limited else plateau
     engine, _ = build_engine(
         model, cfg, micro_batch=s.batch_size // world, grad_accum=1, lr=s.lr,
         weight_decay=s.weight_decay, max_grad_norm=s.max_grad_norm, lr_fn=lr_fn,
@@ -117,13 +143,14 @@ def train_sft(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     log_path = out_dir.with_name(out_dir.name + "_metrics.jsonl")
     log = log_path.open("w") if rank == 0 else None
-    best, bad, step, t0 = math.inf, 0, 0, time.time()
+    best, step, t0 = math.inf, 0, time.time()
     history: list[dict[str, float]] = []
     rng = random.Random(cfg.seed)
-    bar = progress_bar(None if max_seconds else total, "sft", "step", enabled=progress and not rank)
+    # no total: the plateau, not max_epochs, ends training, so a bar to the cap would mislead
+    bar = progress_bar(None, "sft", "step", enabled=progress and not rank)
     stop = False
-    # a time-budgeted run (the control) trains until its time is up, whatever max_epochs says
-    epochs = itertools.count() if max_seconds is not None else range(s.max_epochs)
+    # a budgeted run (the control) trains until its budget is spent, whatever max_epochs says
+    epochs = itertools.count() if budget.limited else range(s.max_epochs)
     for _epoch in epochs:
         order = list(range(len(train)))
         rng.shuffle(order)
@@ -136,25 +163,28 @@ def train_sft(
             step += 1
             bar.update(1)
             elapsed = time.time() - t0
-            timed_out = max_seconds is not None and elapsed >= max_seconds
+            timed_out = budget.spent()
+            if world > 1 and budget.limited:  # ranks' clocks differ: all stop at the same step
+                timed_out = all_reduce_sum([float(timed_out)], device)[0] > 0
             if step % s.eval_every == 0 or timed_out:
                 vl = _val_loss(engine, val, tok.pad_token_id, device, 256)
                 train_loss = float(loss_sum.detach()) / max(n, 1)
-                rec = {"step": step, "train_loss": train_loss, "val_loss": vl, "elapsed_s": elapsed}
+                rec = {"step": step, "train_loss": train_loss, "val_loss": vl, "elapsed_s": elapsed,
+                       "lr": float(engine.get_lr()[0])}  # fmt: skip
                 history.append(rec)
                 if log:
                     log.write(json.dumps(rec) + "\n")
                     log.flush()
-                bar.set_postfix(val_loss=f"{vl:.4f}", best=f"{min(best, vl):.4f}", refresh=False)
+                cuts = f"{plateau.cuts_made}/{s.lr_cuts}"
+                bar.set_postfix(val_loss=f"{vl:.4f}", best=f"{min(best, vl):.4f}", lr_cuts=cuts,
+                                refresh=False)  # fmt: skip
                 if vl < best - 1e-4 or not early_stop:
-                    best, bad = min(best, vl), 0
                     save_policy(engine, tok, out_dir, rank, cfg.deepspeed.zero_stage)
-                else:
-                    bad += 1
-                    stop = early_stop and bad >= s.patience
+                best = min(best, vl)
+                stop = plateau.report(vl) and early_stop
             if stop or timed_out:
                 break
-        if stop or (max_seconds is not None and time.time() - t0 >= max_seconds):
+        if stop or timed_out:
             break
     bar.close()
     if log:
@@ -164,6 +194,7 @@ def train_sft(
         "steps": step,
         "epochs": step / steps_per_epoch,
         "early_stopped": stop,
+        "lr_cuts": plateau.cuts_made,
         "seconds": time.time() - t0,
         "history": history,
     }

@@ -154,3 +154,30 @@ def run_grpo(
         env,
     )
     return json.loads((out_dir / "train_summary.json").read_text())
+
+
+def run_control(
+    cfg: Config,
+    reference: Path,
+    out_dir: Path,
+    *,
+    seconds: float | None = None,
+    follow: Path | None = None,
+    log: Callable[[str], None] = print,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """The SFT control: the reference trained on for `seconds`, or until the GRPO run whose
+    progress file is `follow` is done. Its weights go to out_dir."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg_path = write_config(cfg, out_dir.with_name(out_dir.name + "_config.yaml"))
+    args = ["--policy", str(reference), "--out", str(out_dir)]
+    args += ["--seconds", str(seconds)] if seconds is not None else ["--follow", str(follow)]
+    run_subprocess(
+        launcher_command(cfg, "control", cfg_path, *args)
+        if _distributed(cfg)
+        else [sys.executable, "-m", "grpo.launch.worker", "control", "--config", str(cfg_path),
+              *args],
+        log,
+        env,
+    )  # fmt: skip
+    return json.loads((out_dir / "control_summary.json").read_text())

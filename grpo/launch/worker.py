@@ -1,4 +1,4 @@
-"""Entry point of one rank: `python -m grpo.launch.worker {sft,train} --config resolved.yaml ...`.
+"""Entry point of one rank: `python -m grpo.launch.worker {sft,train,control} --config X ...`.
 
 Started by DeepSpeed's launcher (one process per GPU or CPU rank) or directly for one rank.
 """
@@ -46,12 +46,14 @@ def _write_error(e: BaseException) -> bool:
 
 def _main(argv: list[str] | None) -> None:
     p = argparse.ArgumentParser(prog="grpo.launch.worker")
-    p.add_argument("stage", choices=["sft", "train"])
+    p.add_argument("stage", choices=["sft", "train", "control"])
     p.add_argument("--config", required=True)
     p.add_argument("--base")
     p.add_argument("--policy")
     p.add_argument("--out")
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--seconds", type=float, help="control: its budget in seconds")
+    p.add_argument("--follow", help="control: the progress file of the GRPO run it follows")
     p.add_argument("--local_rank", type=int, default=None)  # passed by older launchers
     a = p.parse_args(argv)
 
@@ -68,6 +70,17 @@ def _main(argv: list[str] | None) -> None:
         summary = train_sft(cfg, a.base, out, training_sets(cfg), progress=rank == 0)
         if rank == 0:
             (out / "sft_summary.json").write_text(json.dumps(summary, indent=2))
+    elif a.stage == "control":
+        from grpo.data.sets import training_sets
+        from grpo.engine.sft import train_sft
+
+        summary = train_sft(
+            cfg, a.policy, Path(a.out), training_sets(cfg), max_seconds=a.seconds,
+            follow=Path(a.follow) if a.follow else None, early_stop=False, progress=False,
+        )  # fmt: skip
+        if rank == 0:
+            summary.pop("history")
+            Path(a.out, "control_summary.json").write_text(json.dumps(summary, indent=2))
     else:
         from grpo.engine.loop import train_grpo
 

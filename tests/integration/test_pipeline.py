@@ -64,6 +64,15 @@ def test_end_to_end_logs_registers_and_loads(store):
     by_name = {r.info.run_name: r for r in children}
     assert {"validate", "sft", "grpo", "sft-control", "evaluate"} <= set(by_name)
     grpo_run = by_name["grpo"].info.run_id
+    # on the CPU the control trains beside GRPO, each on half the cores, until GRPO is done
+    ctl = by_name["sft-control"].data
+    assert ctl.tags["control_mode"] == "concurrent"
+    assert (
+        ctl.tags["threads"]
+        == by_name["grpo"].data.tags["threads"]
+        == str(max(1, (os.cpu_count() or 2) // 2))
+    )
+    assert ctl.metrics["sft_control/steps"] >= 1
     assert by_name["grpo"].data.tags["generation_engine"] == "fast"  # a Qwen2: the fast sampler
     reward = c.get_metric_history(grpo_run, "reward")
     assert [m.step for m in reward] == [1, 2, 3]

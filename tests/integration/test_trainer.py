@@ -166,3 +166,37 @@ def test_a_seeded_run_is_reproducible(tmp_path):
                         for m in lines])  # fmt: skip
     assert all(torch.equal(a, b) for a, b in zip(*weights, strict=True))
     assert metrics[0] == metrics[1]
+
+
+def test_the_control_follows_the_grpo_run_it_runs_beside(tmp_path):
+    """The control stops at the step after the followed run says done, its rate annealed by
+    that run's progress; the trainer writes the file it follows, done at the end."""
+    import json
+    import threading
+
+    from grpo.data.sets import training_sets
+    from grpo.engine.loop import Trainer
+    from grpo.engine.pace import mark_done, read_progress, write_progress
+    from grpo.engine.sft import train_sft
+
+    cfg = small_config(tmp_path, "sft.warmup_steps=0", "sft.eval_every=1000")
+    sets = training_sets(cfg)
+    pace = tmp_path / "progress.json"
+    mark_done(pace)
+    done = train_sft(cfg, base_model_dir(cfg), tmp_path / "c1", sets, follow=pace,
+                     early_stop=False, progress=False)  # fmt: skip
+    assert done["steps"] == 1 and (tmp_path / "c1" / "config.json").exists()
+
+    write_progress(pace, 1, 2)  # half way: cos(pi / 2) -> half the learning rate
+    timer = threading.Timer(3.0, mark_done, [pace])
+    timer.start()
+    out = train_sft(cfg, base_model_dir(cfg), tmp_path / "c2", sets, follow=pace,
+                    early_stop=False, progress=False)  # fmt: skip
+    timer.join()
+    seen = [json.loads(x) for x in (tmp_path / "c2_metrics.jsonl").open()]
+    assert out["steps"] > 1 and len(seen) == 1  # one validation: the final one, when stopped
+    assert seen[0]["lr"] == pytest.approx(cfg.sft.lr * 0.5)
+    assert read_progress(pace) == (0.5, True)
+
+    Trainer(cfg, base_model_dir(cfg), tmp_path / "grpo").train(progress=False)
+    assert read_progress(tmp_path / "grpo" / "progress.json") == (1.0, True)

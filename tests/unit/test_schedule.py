@@ -13,3 +13,50 @@ def test_warmup_then_cosine_linear_and_constant():
     assert cos(110) == pytest.approx(0.0, abs=1e-12)
     assert lr_lambda(0, 100, "linear")(25) == pytest.approx(0.75)
     assert lr_lambda(5, 100, "constant")(50) == 1.0
+
+
+def test_plateau_cuts_the_rate_then_stops_by_hand():
+    from grpo.engine.schedules import PlateauLR
+
+    p = PlateauLR(warmup=4, patience=2, cuts=2, factor=0.5)
+    assert [p(s) for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    # 2.0 best; 2.0 and 2.5 are not better (min delta) -> first cut
+    assert [p.report(v) for v in (2.0, 2.0, 2.5)] == [False, False, False]
+    assert p(100) == 0.5 and p(0) == 0.125  # the cut applies during warmup too
+    # an improvement resets the count; a second plateau -> second cut, a third -> stop
+    assert [p.report(v) for v in (1.0, 1.5, 1.2)] == [False, False, False]
+    assert p(100) == 0.25 and p.cuts_made == 2
+    assert [p.report(v) for v in (1.0, 0.99995)] == [False, True]
+
+
+def test_progress_cosine_follows_any_progress_and_reads_it_every_step():
+    from grpo.engine.schedules import progress_cosine
+
+    reads = []
+    state = {"p": 0.0}
+
+    def progress():
+        reads.append(state["p"])
+        return state["p"]
+
+    f = progress_cosine(2, progress)
+    assert f(0) == 0.5 and f(1) == 1.0  # warmup by steps
+    state["p"] = 0.5
+    assert f(7) == pytest.approx(0.5)
+    state["p"] = 1.7  # a run that overran its plan: clamped, never negative
+    assert f(8) == pytest.approx(0.0, abs=1e-12)
+    assert len(reads) == 4  # read during warmup too (a wall clock starts at the first step)
+
+
+def test_progress_file_round_trip(tmp_path):
+    from grpo.engine.pace import mark_done, read_progress, write_progress
+
+    path = tmp_path / "progress.json"
+    assert read_progress(path) == (0.0, False)  # the followed run has not begun
+    write_progress(path, 3, 12)
+    assert read_progress(path) == (0.25, False)
+    mark_done(path)  # keeps where it got to
+    assert read_progress(path) == (0.25, True)
+    other = tmp_path / "sub" / "progress.json"
+    mark_done(other)  # a run that failed before writing anything
+    assert read_progress(other) == (0.0, True)
