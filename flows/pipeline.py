@@ -115,7 +115,7 @@ def _print_summary(r: dict[str, Any]) -> None:
     from rich.table import Table
 
     # a log file or a Prefect log is no terminal: rich would cut cells at 80 columns there
-    con = Console() if sys.stdout.isatty() else Console(width=160)
+    con = Console() if sys.stdout.isatty() else Console(width=240)
     table = Table(title="Held-out accuracy (greedy pass@1, 95% Wilson CI)")
     cols = list(r["table"][0].keys()) if r["table"] else []
     for col in cols:

@@ -266,7 +266,7 @@ def evaluate(cfg: Config, parent_id: str, models: dict[str, str], run_dir: Path)
         for k, v in metrics.items():
             c.log_metric(parent_id, tracking.safe_key(k), v)
         for k, v in metrics.items():
-            if k.endswith("diff_vs_reference"):
+            if "/diff_vs_" in k:
                 c.log_metric(run_id, tracking.safe_key(k), v)
         c.log_table(run_id, data=pd.DataFrame(table), artifact_file="comparison.json")
         create_table_artifact(key="evaluation", table=table, description="held-out accuracy")
@@ -279,8 +279,9 @@ def comparison(
     sets: list[str], labels: list[str], reports: dict[str, dict], samples: dict[str, list[dict]]
 ) -> tuple[list[dict[str, Any]], dict[str, float], dict[str, dict[str, dict]]]:
     """The table (one row per set: each model's accuracy, each model minus the reference with
-    a paired interval), the flat metrics behind it, and the paired differences by model and set
-    (with "grpo_vs_champion" when a champion was evaluated)."""
+    a paired interval; GRPO minus the control and minus the champion when they were evaluated),
+    the flat metrics behind it, and the paired differences by model and set (with
+    "grpo_vs_control" and "grpo_vs_champion")."""
     from grpo.eval.metrics import paired_difference
 
     table, metrics, paired = [], {}, {}
@@ -303,13 +304,17 @@ def comparison(
             row[f"{label} - ref"] = f"{d['diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]"
             metrics[f"{label}/eval/{s}/diff_vs_reference"] = d["diff"]
             paired.setdefault(label, {})[s] = d
-        if "champion" in labels and "grpo" in labels:
+        # GRPO against the equal-time control (the honest comparison) and the champion
+        for base, key in (("sft_continued", "control"), ("champion", "champion")):
+            if base not in labels or "grpo" not in labels:
+                continue
             d = paired_difference(
-                [r for r in samples["champion"] if r["set"] == s],
+                [r for r in samples[base] if r["set"] == s],
                 [r for r in samples["grpo"] if r["set"] == s],
             )
-            row["grpo - champion"] = f"{d['diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]"
-            paired.setdefault("grpo_vs_champion", {})[s] = d
+            row[f"grpo - {base}"] = f"{d['diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]"
+            metrics[f"grpo/eval/{s}/diff_vs_{key}"] = d["diff"]
+            paired.setdefault(f"grpo_vs_{key}", {})[s] = d
         table.append(row)
     return table, metrics, paired
 

@@ -181,7 +181,8 @@ def train_sft(
                 if vl < best - 1e-4 or not early_stop:
                     save_policy(engine, tok, out_dir, rank, cfg.deepspeed.zero_stage)
                 best = min(best, vl)
-                stop = plateau.report(vl) and early_stop
+                if early_stop:  # the control's rate follows its budget, never the plateaus
+                    stop = plateau.report(vl)
             if stop or timed_out:
                 break
         if stop or timed_out:

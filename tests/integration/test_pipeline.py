@@ -52,6 +52,7 @@ def test_end_to_end_logs_registers_and_loads(store):
     with contextlib.redirect_stdout(buf):
         _print_summary(result)
     assert "sft_continued - ref" in buf.getvalue() and "synthetic_ood" in buf.getvalue()
+    assert "grpo - sft_continued" in buf.getvalue()  # GRPO against its equal-time control
     c = MlflowClient(uri, uri)
     parent = c.get_run(result["parent_run_id"])
     assert parent.info.status == "FINISHED"
@@ -105,6 +106,10 @@ def test_end_to_end_logs_registers_and_loads(store):
     eval_files = files(by_name["evaluate"].info.run_id)
     assert "comparison.json" in eval_files and "grpo/eval/report.json" in eval_files
     assert "grpo/eval/synthetic/accuracy" in parent.data.metrics
+    pm = parent.data.metrics  # the paired difference is the difference of the accuracies
+    assert pm["grpo/eval/synthetic/diff_vs_control"] == pytest.approx(
+        pm["grpo/eval/synthetic/accuracy"] - pm["sft_continued/eval/synthetic/accuracy"]
+    )
 
     mv = c.get_model_version_by_alias("tiny-e2e", "challenger")
     assert mv.run_id == grpo_run
