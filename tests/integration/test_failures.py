@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -29,8 +30,10 @@ def _sets(tmp, *extra):
 
 
 def _one_line_error(code, out, err, *needles):
-    # progress bars (tqdm writes them to stderr) are not failures
-    lines = [ln for ln in err.splitlines() if ln.strip() and "%|" not in ln]
+    # progress bars (tqdm writes them to stderr) are not failures: "grpo:  40%|..." with a
+    # total, "sft: 4step [00:00, ...]" without one (SFT ends at a plateau, not at a count)
+    bar = re.compile(r"^[\w-]+: +(\d+%\||\d+\w+ \[)")
+    lines = [ln for ln in err.splitlines() if ln.strip() and not bar.match(ln)]
     assert code == 2, (code, out[-2000:], err[-2000:])
     assert len(lines) == 1 and lines[0].startswith("error: "), err[-2000:]
     assert "Traceback" not in out + err
