@@ -1,7 +1,7 @@
 """Our GRPO trainer vs trl.GRPOTrainer on the same tiny model, prompts and settings.
 
     .venv/bin/pip install -e '.[bench]'   # TRL is a benchmark-only dependency
-    .venv/bin/python benchmarks/vs_trl.py [--steps 30] [--repeats 2]
+    .venv/bin/python benchmarks/vs_trl.py [--steps 30] [--repeats 2] [--prompts 32 --results F]
 
 Each measurement is a fresh subprocess (peak RSS is that process's own), run alternately
 A B A B. Reports medians with min-max and writes benchmarks/RESULTS.md.
@@ -28,7 +28,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 SETTINGS = {
     "num_generations": 8,
-    "prompts_per_step": 4,
+    # 4 by default (32 completions: the regime where per-op overhead dominates); --prompts 32
+    # is the default run's 32 x 8 (the child processes read it from BENCH_PROMPTS)
+    "prompts_per_step": int(os.environ.get("BENCH_PROMPTS", "4")),
     "max_completion_length": 48,
     "temperature": 1.0,
     "beta": 0.0,
@@ -71,7 +73,7 @@ def run_ours(model: str, steps: int, out: str, beta: float, train_all: bool = Fa
         "generation": [r["time/sampling"] + r["time/advantages"] for r in rows],
         "reference": [r["time/reference"] for r in rows],
         "training": [r["time/training"] for r in rows],
-        "tokens": [r["completions/mean_length"] * 32 for r in rows],
+        "tokens": [r["completions/mean_length"] * _batch() for r in rows],
         "reward": [r["reward"] for r in rows],
         "mean_length": statistics.mean(r["completions/mean_length"] for r in rows),
         "plain_generate_ratio": _plain_generate_ratio(t),
@@ -135,7 +137,7 @@ def run_trl(model: str, steps: int, out: str, beta: float) -> dict:
 
     args = GRPOConfig(
         output_dir=str(Path(out) / "trl"), use_cpu=True, bf16=False,
-        gradient_checkpointing=False, per_device_train_batch_size=32,
+        gradient_checkpointing=False, per_device_train_batch_size=_batch(),
         num_generations=s["num_generations"], max_completion_length=s["max_completion_length"],
         temperature=s["temperature"], beta=beta, learning_rate=s["lr"],
         loss_type=s["loss_type"], max_steps=steps, logging_steps=1, report_to=[],
@@ -153,7 +155,7 @@ def run_trl(model: str, steps: int, out: str, beta: float) -> dict:
     lengths = [h["completions/mean_length"] for h in hist]
     return {
         "step_time": times,
-        "tokens": [n * 32 for n in lengths],
+        "tokens": [n * _batch() for n in lengths],
         "reward": rewards[WARMUP:],
         "mean_length": statistics.mean(lengths) if lengths else float("nan"),
     }
@@ -181,6 +183,11 @@ def _measure(which: str, model: str, steps: int, out: Path, beta: float, nproc: 
     return json.loads(line[7:])
 
 
+def _batch() -> int:
+    """Completions per step."""
+    return SETTINGS["prompts_per_step"] * SETTINGS["num_generations"]
+
+
 def _med(xs: list[float]) -> tuple[float, float, float]:
     return statistics.median(xs), min(xs), max(xs)
 
@@ -199,7 +206,12 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "runs" / "bench"))
     p.add_argument("--beta", type=float, default=0.0)
     p.add_argument("--reference", help="SFT reference dir for the 'short' regime")
+    p.add_argument("--prompts", type=int, help="prompts per step (default 4; 32 = the default run)")
+    p.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
     a = p.parse_args()
+    if a.prompts:
+        os.environ["BENCH_PROMPTS"] = str(a.prompts)  # the child processes read it at import
+        SETTINGS["prompts_per_step"] = a.prompts
     if a.child:
         child(a.child, a.model, a.steps, a.out, a.beta)
         return
@@ -219,7 +231,7 @@ def main() -> None:
                 results.setdefault((regime, which), []).append(res)
                 print(regime, which, r, _fmt(res["step_time"], 3), flush=True)
     lines = _report(results, a)
-    (ROOT / "benchmarks" / "RESULTS.md").write_text("\n".join(lines) + "\n")
+    Path(a.results).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
@@ -228,10 +240,12 @@ def _report(results: dict, a: argparse.Namespace) -> list[str]:
     lines = [
         "# GRPO step speed: ours vs trl.GRPOTrainer (CPU, 2 threads)",
         "",
-        f"Command: `python benchmarks/vs_trl.py --steps {a.steps} --repeats {a.repeats}`",
+        f"Command: `python benchmarks/vs_trl.py --steps {a.steps} --repeats {a.repeats}"
+        + (f" --prompts {a.prompts} --results {Path(a.results).name}" if a.prompts else "")
+        + "`",
         "",
         f"Settings (both): G={s['num_generations']}, {s['prompts_per_step']} prompts/step "
-        f"(32 completions), max_completion_length={s['max_completion_length']}, "
+        f"({_batch()} completions), max_completion_length={s['max_completion_length']}, "
         f"temperature={s['temperature']}, beta={a.beta}, lr={s['lr']}, loss_type={s['loss_type']}, "
         f"{a.steps} steps ({WARMUP} warm-up steps left out), fp32, same tiny Qwen2 and prompts, "
         "reward = reward_fns.accuracy. Medians over all measured steps of all repeats "
@@ -249,7 +263,7 @@ def _report(results: dict, a: argparse.Namespace) -> list[str]:
         for which in TRAINERS:
             runs = results[(regime, which)]
             st = [x for r in runs for x in r["step_time"]]
-            cps = [32 / x for x in st]
+            cps = [_batch() / x for x in st]
             tps = [t / x for r in runs for t, x in zip(r["tokens"], r["step_time"])]
             rss = [r["peak_rss_mib"] for r in runs]
             rew = [statistics.median(r["reward"][-10:]) for r in runs if r["reward"]]
@@ -281,7 +295,7 @@ def _report(results: dict, a: argparse.Namespace) -> list[str]:
     lines += [
         "",
         "Our step split (seconds) and our generation vs a plain transformers `generate()` "
-        "on the same 32-completion batch (time ratio, < 1 is faster):",
+        f"on the same {_batch()}-completion batch (time ratio, < 1 is faster):",
         "",
         "| regime | trainer | generation | training | ours/plain generate |",
         "|---|---|---|---|---|",

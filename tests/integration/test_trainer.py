@@ -200,3 +200,22 @@ def test_the_control_follows_the_grpo_run_it_runs_beside(tmp_path):
 
     Trainer(cfg, base_model_dir(cfg), tmp_path / "grpo").train(progress=False)
     assert read_progress(tmp_path / "grpo" / "progress.json") == (1.0, True)
+
+
+def test_the_sequential_control_runs_its_seconds_in_a_worker_process(tmp_path):
+    """sft.control sequential (GPUs, several ranks): the worker's control stage trains for the
+    given seconds, anneals to zero and leaves its weights and summary."""
+    import json
+
+    from grpo.data.sets import training_sets
+    from grpo.engine.sft import train_sft
+    from grpo.launch.runner import run_control
+
+    cfg = small_config(tmp_path, "sft.warmup_steps=0")
+    ref = tmp_path / "ref"
+    train_sft(cfg, base_model_dir(cfg), ref, training_sets(cfg), progress=False)
+    summary = run_control(cfg, ref, tmp_path / "ctl", seconds=3.0, log=lambda s: None)
+    assert summary["steps"] > 1 and summary["seconds"] >= 3.0
+    assert (tmp_path / "ctl" / "config.json").exists()
+    last = [json.loads(x) for x in (tmp_path / "ctl_metrics.jsonl").open()][-1]
+    assert last["step"] == summary["steps"] and last["lr"] == pytest.approx(0.0, abs=1e-6)
