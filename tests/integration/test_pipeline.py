@@ -308,3 +308,39 @@ def test_the_reference_is_uploaded_once_and_linked_after(store, tmp_path):
     assert [f.path for f in c.list_artifacts(first, "reference")] == ["reference/model.safetensors"]
     assert c.list_artifacts(second, "reference") == []
     assert c.get_run(second).data.tags["reference_run_id"] == first
+
+
+def test_a_failed_grpo_stage_stops_the_control_beside_it(store):
+    """GRPO fails (its retry too) while the control trains beside it: the pipeline marks GRPO's
+    progress done, the control stops at its next step, finishes its run, and the flow fails
+    with GRPO's error, leaving no worker process behind."""
+    import psutil
+    from mlflow import MlflowClient
+
+    from flows.pipeline import PipelineParams, grpo_pipeline
+    from grpo.launch.runner import StageError
+
+    tmp, uri = store
+    overrides = _overrides(
+        tmp,
+        "grpo.reward_funcs=['tests.fault_rewards:raise_value_error']",
+        "grpo.reward_weights=[1.0]",
+    )
+    with pytest.raises(StageError, match="raise_value_error"):
+        grpo_pipeline(PipelineParams(config=CONFIG, overrides=overrides))
+    c = MlflowClient(uri, uri)
+    exp = c.get_experiment_by_name("grpo-tiny")
+    parent = c.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"])
+    parent = next(r for r in parent if "mlflow.parentRunId" not in r.data.tags)
+    assert parent.info.status == "FAILED"
+    kids = c.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    by_name = {r.info.run_name: r for r in kids}
+    assert by_name["grpo"].info.status == "FAILED"
+    assert by_name["sft-control"].info.status == "FINISHED"
+    assert by_name["sft-control"].data.metrics["sft_control/steps"] >= 1
+    workers = [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if "grpo.launch.worker" in " ".join(p.cmdline())
+    ]
+    assert not workers
