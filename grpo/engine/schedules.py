@@ -4,7 +4,6 @@ another run's progress, or cut at validation-loss plateaus."""
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 
 
@@ -35,19 +34,6 @@ def progress_cosine(warmup: int, progress: Callable[[], float]) -> Callable[[int
         return 0.5 * (1.0 + math.cos(math.pi * done))
 
     return f
-
-
-def time_cosine(warmup: int, seconds: float) -> Callable[[int], float]:
-    """Cosine over wall-clock time from the first call: a run given a time budget (the SFT
-    control) anneals fully by its end, however many steps fit."""
-    start: list[float] = []
-
-    def elapsed() -> float:
-        if not start:
-            start.append(time.time())
-        return (time.time() - start[0]) / seconds
-
-    return progress_cosine(warmup, elapsed)
 
 
 class PlateauLR:

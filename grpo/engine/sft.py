@@ -95,9 +95,11 @@ class _Budget:
     def fraction(self) -> float:
         if self.follow is not None:
             return read_progress(self.follow)[0]
-        if self.t0 is None:
+        if self.t0 is None:  # the clock starts at the first step
             self.t0 = time.time()
-        return (time.time() - self.t0) / self.seconds if self.seconds else 0.0
+        if not self.seconds:  # a budget of 0 s (GRPO resumed with nothing left): one step
+            return 1.0
+        return (time.time() - self.t0) / self.seconds
 
     def spent(self) -> bool:
         if self.follow is not None:

@@ -186,6 +186,10 @@ def test_the_control_follows_the_grpo_run_it_runs_beside(tmp_path):
     done = train_sft(cfg, base_model_dir(cfg), tmp_path / "c1", sets, follow=pace,
                      early_stop=False, progress=False)  # fmt: skip
     assert done["steps"] == 1 and (tmp_path / "c1" / "config.json").exists()
+    # a budget of 0 s (a resumed GRPO run with no steps left) is one step too, never endless
+    zero = train_sft(cfg, base_model_dir(cfg), tmp_path / "c0", sets, max_seconds=0.0,
+                     early_stop=False, progress=False)  # fmt: skip
+    assert zero["steps"] == 1
 
     write_progress(pace, 1, 2)  # half way: cos(pi / 2) -> half the learning rate
     timer = threading.Timer(3.0, mark_done, [pace])
