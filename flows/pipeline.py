@@ -88,9 +88,7 @@ def _train_with_control(
     if threads is None:
         trained = stages.train_policy(cfg, pid, ref, run_dir)
         return trained, stages.sft_control(cfg, pid, ref, run_dir, seconds=trained["seconds"])
-    pace = run_dir / "grpo" / PROGRESS_FILE
-    if pace.exists():  # a resumed run's file says done: the control follows this attempt
-        pace.unlink()
+    pace = run_dir / "grpo" / PROGRESS_FILE  # run_dir is new for every flow run
     future = stages.sft_control.submit(cfg, pid, ref, run_dir, follow=pace, threads=threads)
     try:
         trained = stages.train_policy(cfg, pid, ref, run_dir, threads=threads)

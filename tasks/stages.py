@@ -169,8 +169,8 @@ def train_policy(
         streamer = tracking.MetricsStreamer(cfg, run_id, out / "metrics.jsonl")
         try:
             with streamer:
-                env = {"OMP_NUM_THREADS": str(threads)} if threads else None
-                summary = run_grpo(cfg, Path(reference), out, resume=True, log=log.info, env=env)
+                summary = run_grpo(cfg, Path(reference), out, resume=True, log=log.info,
+                                   env=_thread_env(threads))  # fmt: skip
         finally:
             monitor.finish()
         n = streamer.drain()
@@ -194,6 +194,11 @@ def train_policy(
             c.set_tag(run_id, "threads", str(threads))
     return {"policy": str(out / "policy"), "run_id": run_id, "seconds": summary["seconds"],
             "model_uri": model_uri}  # fmt: skip
+
+
+def _thread_env(threads: int | None) -> dict[str, str] | None:
+    """The environment that limits a stage's process to `threads` CPU threads (None: all)."""
+    return {"OMP_NUM_THREADS": str(threads)} if threads else None
 
 
 def control_threads(cfg: Config) -> int | None:
@@ -227,10 +232,9 @@ def sft_control(
 
     log = get_run_logger()
     out = run_dir / "sft_control"
-    env = {"OMP_NUM_THREADS": str(threads)} if threads else None
     with stage_run(cfg, parent_id, "sft-control") as run_id:
         summary = run_control(cfg, Path(reference), out, seconds=seconds, follow=follow,
-                              log=log.info, env=env)  # fmt: skip
+                              log=log.info, env=_thread_env(threads))  # fmt: skip
         c = tracking.client(cfg)
         rows = tracking.read_jsonl(out.with_name(out.name + "_metrics.jsonl"))
         tracking.log_step_metrics(c, run_id, rows, prefix="sft_control/")

@@ -91,10 +91,14 @@ class _Budget:
         self.seconds, self.follow = seconds, follow
         self.limited = seconds is not None or follow is not None
         self.t0: float | None = None
+        self.done = False
 
     def fraction(self) -> float:
+        """Called by the learning-rate schedule at every optimizer step (warmup included)."""
         if self.follow is not None:
-            return read_progress(self.follow)[0]
+            # one read per step: `spent` after the step uses the done flag read here
+            frac, self.done = read_progress(self.follow)
+            return frac
         if self.t0 is None:  # the clock starts at the first step
             self.t0 = time.time()
         if not self.seconds:  # a budget of 0 s (GRPO resumed with nothing left): one step
@@ -103,7 +107,7 @@ class _Budget:
 
     def spent(self) -> bool:
         if self.follow is not None:
-            return read_progress(self.follow)[1]
+            return self.done
         return self.seconds is not None and self.fraction() >= 1.0
 
 
