@@ -166,6 +166,14 @@ def main(argv: list[str] | None = None) -> None:
     sv.add_argument("--state-dir", help="servers' stores and logs (default: the project)")
     sv.add_argument("--pool", default="grpo-process-pool", help="work pool the worker serves")
     a = p.parse_args(argv)
+    if a.command != "serve":
+        from tasks.server_auth import CredentialsError, apply_to_environment
+
+        try:  # a served state directory's credentials, for its own servers only
+            apply_to_environment()
+        except CredentialsError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
     if a.debug:
         os.environ["GRPO_DEBUG"] = "1"  # ranks print their tracebacks too
         a.fn(a)
@@ -187,12 +195,13 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from grpo.models.loading import ModelDirError
     from grpo.models.prompts import PromptLengthError
     from reward_fns import RewardFunctionError
+    from tasks.server_auth import CredentialsError
     from tasks.tracking import TrackingUnreachable
     from tasks.validation import DataValidationError
 
     return (ConfigError, DataError, ModelDirError, StageError, PreflightError,
             RewardFunctionError, TrackingUnreachable, DataValidationError, PromptLengthError,
-            ServeError, OSError)  # fmt: skip
+            ServeError, CredentialsError, OSError)  # fmt: skip
 
 
 def _one_line(e: BaseException) -> str:

@@ -1,14 +1,17 @@
 """`grpo serve`: local Prefect and MLflow servers, the work pool, the deployment and a worker.
 
-Everything listens on 127.0.0.1 unless GRPO_SERVE_HOST says otherwise. The deployment (with its
-cron schedule) is declared in prefect.yaml; the worker runs scheduled pipeline runs. The servers'
-state (Prefect's home, the MLflow store and artifacts, the logs) lives in one state directory,
-the project directory by default.
+Everything listens on 127.0.0.1 unless GRPO_SERVE_HOST says otherwise, and both servers ask for
+the credentials that tasks.server_auth keeps in the state directory (loopback is no boundary on
+a shared machine). The deployment (with its cron schedule) is declared in prefect.yaml; the
+worker runs scheduled pipeline runs with a job template that fixes the command and environment.
+The servers' state (Prefect's home, the MLflow store and artifacts, the credentials, the logs)
+lives in one state directory, the project directory by default; one serve at a time holds it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import signal
@@ -20,6 +23,8 @@ import urllib.request
 from pathlib import Path
 
 import psutil
+
+from tasks import server_auth
 
 PROJECT = Path(__file__).resolve().parents[1]
 POOL = "grpo-process-pool"
@@ -42,7 +47,56 @@ def _wait(url: str, seconds: float, what: str) -> None:
 
 
 class ServeError(RuntimeError):
-    """A server or the worker died, or a setup command failed; the message names it."""
+    """A server or the worker died, a setup command failed, or another serve holds the state
+    directory; the message names it."""
+
+
+def locked_job_template() -> dict:
+    """The process pool's base job template with nothing a flow run could use to run code.
+
+    Prefect's default template lets each flow run set the worker's `command`, `env` and
+    `working_dir`: whoever may create a flow run could run any command as the worker's user.
+    Here they are fixed (command None: the worker's own `python -m prefect.engine`), and a flow
+    run that names them, or any other variable, is refused by the server's validation.
+    """
+    optional_str = {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None}
+    return {
+        "job_configuration": {
+            "command": None, "env": {}, "working_dir": None, "labels": "{{ labels }}",
+            "name": "{{ name }}", "stream_output": "{{ stream_output }}",
+        },
+        "variables": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "name": {**optional_str, "title": "Name"},
+                "labels": {"type": "object", "additionalProperties": {"type": "string"},
+                           "title": "Labels"},
+                "stream_output": {"type": "boolean", "default": True, "title": "Stream Output"},
+            },
+        },
+    }  # fmt: skip
+
+
+def _hold_state_dir(private: Path) -> object:
+    """An exclusive lock on the state directory for as long as the returned file stays open;
+    a second serve on the same directory is refused before it touches anything."""
+    lock = (private / "serve.lock").open("a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "unknown"
+        lock.close()
+        raise ServeError(
+            f"another grpo serve (pid {holder}) holds the state directory {private.parent}; "
+            "stop it first, or give this one its own --state-dir"
+        ) from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(str(os.getpid()))
+    lock.flush()
+    return lock
 
 
 def serve(
@@ -61,15 +115,34 @@ def serve(
     """
     host = os.environ.get("GRPO_SERVE_HOST", "127.0.0.1")
     state = Path(state_dir).resolve() if state_dir else PROJECT
-    env = {
-        **os.environ,
+    private = server_auth.credentials_path(state).parent
+    private.mkdir(mode=0o700, parents=True, exist_ok=True)
+    lock = _hold_state_dir(private)  # noqa: F841 (held until this function returns)
+    api_url, tracking = f"http://{host}:{prefect_port}/api", f"http://{host}:{mlflow_port}"
+    creds = server_auth.create_or_load(state, tracking, api_url)
+    env = {k: v for k, v in os.environ.items() if not _credential_var(k)}
+    env.update({
         "PREFECT_HOME": str(state / ".prefect"),
-        "PREFECT_API_URL": f"http://{host}:{prefect_port}/api",
+        "PREFECT_API_URL": api_url,
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "DO_NOT_TRACK": "true",
-        "MLFLOW_TRACKING_URI": f"http://{host}:{mlflow_port}",
+        "MLFLOW_TRACKING_URI": tracking,
         "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
         "HF_HUB_OFFLINE": "1",
+        "GRPO_SERVE_STATE": str(state),
+        # prefect.yaml's pull step is {{ $PWD }}: the project, wherever serve was started from
+        "PWD": str(PROJECT),
+        **creds.client_env(),
+    })  # fmt: skip
+    # the servers' own secrets go to the server that needs each, nowhere else
+    server_env = {
+        "prefect": {"PREFECT_SERVER_API_AUTH_STRING": creds.prefect_auth_string},
+        "mlflow": {
+            "MLFLOW_AUTH_CONFIG_PATH": str(_write_auth_ini(private)),
+            "MLFLOW_AUTH_ADMIN_USERNAME": server_auth.USERNAME,
+            "MLFLOW_AUTH_ADMIN_PASSWORD": creds.mlflow_password,
+            "MLFLOW_FLASK_SERVER_SECRET_KEY": creds.flask_secret_key,
+        },
     }
     logs = state / "runs" / "serve"
     logs.mkdir(parents=True, exist_ok=True)
@@ -79,8 +152,9 @@ def serve(
         f = (logs / f"{name}.log").open("w")
         # a session of its own: stopping it stops its children too (server workers, flow runs)
         procs[name] = subprocess.Popen(
-            cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
-        )
+            cmd, env={**env, **server_env.get(name, {})}, stdout=f, stderr=subprocess.STDOUT,
+            start_new_session=True, cwd=PROJECT,
+        )  # fmt: skip
 
     stop = {"signal": None}
 
@@ -93,14 +167,16 @@ def serve(
     start(
         [_bin("prefect"), "server", "start", "--host", host, "--port", str(prefect_port)], "prefect"
     )
-    start([_bin("mlflow"), "server", "--backend-store-uri", db, "--artifacts-destination",
-           str(state / "mlartifacts"), "--host", host, "--port", str(mlflow_port), "-w", "1"],
-          "mlflow")  # fmt: skip
+    start([_bin("mlflow"), "server", "--app-name", "basic-auth", "--backend-store-uri", db,
+           "--artifacts-destination", str(state / "mlartifacts"), "--host", host,
+           "--port", str(mlflow_port), "-w", "1"], "mlflow")  # fmt: skip
     try:
-        _wait(f"http://{host}:{prefect_port}/api/health", 120, "Prefect server")
-        _wait(f"http://{host}:{mlflow_port}/health", 120, "MLflow server")
-        _run([_bin("prefect"), "work-pool", "create", pool, "--type", "process", "--overwrite"],
-             env, "creating the work pool")  # fmt: skip
+        _wait(f"{api_url}/health", 120, "Prefect server")
+        _wait(f"{tracking}/health", 120, "MLflow server")
+        template = private / "pool-job-template.json"
+        template.write_text(json.dumps(locked_job_template(), indent=1))
+        _run([_bin("prefect"), "work-pool", "create", pool, "--type", "process", "--overwrite",
+              "--base-job-template", str(template)], env, "creating the work pool")  # fmt: skip
         params = {"params": {"config": str(Path(config).resolve()) if config else None,
                              "overrides": [], "control": True}}  # fmt: skip
         _run([_bin("prefect"), "--no-prompt", "deploy", "--name", DEPLOYMENT, "--pool", pool,
@@ -109,6 +185,7 @@ def serve(
         print(f"Prefect UI: http://{host}:{prefect_port}")
         print(f"MLflow UI:  http://{host}:{mlflow_port}")
         print(f"deployment grpo-pipeline/{DEPLOYMENT} runs {config or 'the default config'}")
+        print(f"credentials (user {server_auth.USERNAME}): {server_auth.credentials_path(state)}")
         print(f"logs in {logs}; Ctrl-C stops everything", flush=True)
         while stop["signal"] is None:
             for name, p in procs.items():
@@ -119,6 +196,27 @@ def serve(
             time.sleep(1)
     finally:
         _stop_all(procs)
+
+
+def _credential_var(name: str) -> bool:
+    """Credentials the caller's shell may hold for other servers: never passed on."""
+    return name in ("PREFECT_API_KEY", "PREFECT_API_AUTH_STRING", "PREFECT_SERVER_API_AUTH_STRING",
+                    "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD",
+                    "MLFLOW_TRACKING_TOKEN", "MLFLOW_AUTH_ADMIN_PASSWORD")  # fmt: skip
+
+
+def _write_auth_ini(private: Path) -> Path:
+    """MLflow's basic-auth settings: users in the state directory; the admin's password comes
+    from the environment (MLFLOW_AUTH_ADMIN_PASSWORD), so this file holds no secret."""
+    ini = private / "mlflow-auth.ini"
+    ini.write_text(
+        "[mlflow]\n"
+        "default_permission = READ\n"
+        f"database_uri = sqlite:///{private / 'mlflow-auth.db'}\n"
+        f"admin_username = {server_auth.USERNAME}\n"
+        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+    )
+    return ini
 
 
 def _run(cmd: list[str], env: dict[str, str], what: str) -> None:

@@ -2,11 +2,14 @@
 
 The deployment is triggered through Prefect's API (run_deployment) instead of waiting for the
 cron; the worker runs it; the MLflow server must then hold the runs, metrics, artifacts and the
-registered version, read over HTTP. Stopping serve must leave no process behind.
+registered version, read over HTTP. Both servers want the credentials serve generated: the
+attacks of an account without them are replayed and refused. Stopping serve must leave no
+process behind.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -14,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -21,6 +25,7 @@ import psutil
 import pytest
 import yaml
 
+from tasks.server_auth import credentials_path
 from tests.helpers import ROOT, small_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.serve]
@@ -50,23 +55,42 @@ class Served:
         self.state, self.out = tmp / "state", tmp / "serve.out"
         env = {**os.environ, "PREFECT_WORKER_QUERY_SECONDS": "2"}
         env.pop("MLFLOW_TRACKING_URI", None)
+        for k in ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+            env.pop(k, None)
+        # started outside the project: the deployment must still find flows/pipeline.py
         self.proc = subprocess.Popen(
             [str(Path(sys.executable).with_name("grpo")), "serve", "--config", str(self.config),
              "--prefect-port", str(self.prefect), "--mlflow-port", str(self.mlflow),
              "--state-dir", str(self.state), "--pool", "e2e-pool"],
-            stdout=self.out.open("w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+            stdout=self.out.open("w"), stderr=subprocess.STDOUT, env=env, cwd=tmp,
         )  # fmt: skip
         self.api = f"http://127.0.0.1:{self.prefect}/api"
         self.tracking = f"http://127.0.0.1:{self.mlflow}"
+        self.creds: dict = {}
 
     def wait_ready(self, seconds: float = 300) -> None:
         deadline = time.time() + seconds
         while time.time() < deadline:
             if READY in self.out.read_text():
+                self.creds = json.loads(credentials_path(self.state).read_text())
                 return
             assert self.proc.poll() is None, f"serve exited early:\n{self.out.read_text()}"
             time.sleep(1)
         raise AssertionError(f"serve not ready in {seconds}s:\n{self.out.read_text()}")
+
+    def client_env(self) -> dict[str, str]:
+        """What a client is told to set (README): the credentials file's secrets."""
+        return {
+            "MLFLOW_TRACKING_URI": self.tracking,
+            "MLFLOW_TRACKING_USERNAME": "admin",
+            "MLFLOW_TRACKING_PASSWORD": self.creds["mlflow_password"],
+            "PREFECT_API_URL": self.api,
+            "PREFECT_API_AUTH_STRING": f"admin:{self.creds['prefect_password']}",
+        }
+
+    def _auth(self) -> dict[str, str]:
+        token = base64.b64encode(f"admin:{self.creds['prefect_password']}".encode()).decode()
+        return {"Authorization": f"Basic {token}"}
 
     def children(self) -> list[psutil.Process]:
         return psutil.Process(self.proc.pid).children(recursive=True)
@@ -84,20 +108,22 @@ class Served:
             f"fr = run_deployment({DEPLOYMENT!r}, timeout={timeout})\n"
             "print(json.dumps({'id': str(fr.id), 'state': fr.state.type.value}))\n"
         )
-        env = {**os.environ, "PREFECT_API_URL": self.api}
+        env = {**os.environ, **self.client_env()}
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                              text=True, timeout=timeout + 120, cwd=ROOT)  # fmt: skip
         assert out.returncode == 0, out.stderr[-2000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     def api_post(self, path: str, body: dict) -> object:
+        hdrs = {"Content-Type": "application/json", **self._auth()}
         req = urllib.request.Request(f"{self.api}{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+                                     headers=hdrs)  # fmt: skip
         with urllib.request.urlopen(req, timeout=30) as r:
             return json.loads(r.read())
 
     def flow_run_state(self, run_id: str) -> str:
-        with urllib.request.urlopen(f"{self.api}/flow_runs/{run_id}", timeout=30) as r:
+        req = urllib.request.Request(f"{self.api}/flow_runs/{run_id}", headers=self._auth())
+        with urllib.request.urlopen(req, timeout=30) as r:
             return json.loads(r.read())["state"]["type"]
 
     def wait_state(self, run_id: str, leave: tuple[str, ...], seconds: float, what: str) -> str:
@@ -115,6 +141,56 @@ class Served:
         return self.proc.wait(timeout=120)
 
 
+def _status(method: str, url: str, body: object = None, headers: dict | None = None) -> int:
+    """The HTTP status of one request (no exception for 4xx)."""
+    data = body if isinstance(body, bytes) else None if body is None else json.dumps(body).encode()
+    hdrs = {"Content-Type": "application/json", **(headers or {})}
+    req = urllib.request.Request(url, data=data, method=method, headers=hdrs)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def _replay_attacks(s: Served) -> None:
+    """What an account on the machine without the credentials tried (issue #22), refused."""
+    deps = s.api_post("/deployments/filter", {})
+    dep_id = next(d["id"] for d in deps if d["name"] == "nightly-tiny")
+    pwned = s.state.parent / "pwned"
+    attack = {"job_variables": {"command": f"sh -c 'id > {pwned}'"}}
+    create = f"{s.api}/deployments/{dep_id}/create_flow_run"
+    assert _status("POST", create, attack) == 401
+    # even with the credentials, the pool's template lets no flow run set a command or env
+    assert _status("POST", create, attack, s._auth()) == 422
+    env_attack = {"job_variables": {"env": {"LD_PRELOAD": "x"}}}
+    assert _status("POST", create, env_attack, s._auth()) == 422
+    assert s.api_post("/flow_runs/filter", {}) == []
+    # MLflow: create a run, upload an artifact through the proxy, register it, move @champion
+    api = f"{s.tracking}/api/2.0/mlflow"
+    assert _status("POST", f"{api}/runs/create", {"experiment_id": "0"}) == 401
+    art = f"{s.tracking}/api/2.0/mlflow-artifacts/artifacts/0/x/MLmodel"
+    assert _status("PUT", art, b"flavors: {}") == 401
+    assert _status("POST", f"{api}/registered-models/create", {"name": "serve-e2e"}) == 401
+    version = {"name": "serve-e2e", "source": "mlflow-artifacts:/0/x"}
+    assert _status("POST", f"{api}/model-versions/create", version) == 401
+    alias = {"name": "serve-e2e", "alias": "champion", "version": "1"}
+    assert _status("POST", f"{api}/registered-models/alias", alias) == 401
+    assert _status("POST", f"{api}/experiments/search", {"max_results": 1}) == 401
+    assert not pwned.exists()
+
+
+def _cmdlines() -> set[str]:
+    """Every process's command line, as any account on the machine can read it."""
+    out = set()
+    for p in psutil.process_iter():
+        try:
+            out.add(" ".join(p.cmdline()))
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return out
+
+
 def _alive(procs: list[psutil.Process]) -> list[str]:
     out = []
     for p in procs:
@@ -126,16 +202,37 @@ def _alive(procs: list[psutil.Process]) -> list[str]:
     return out
 
 
-def test_a_triggered_deployment_runs_on_the_worker_and_lands_in_the_mlflow_server(tmp_path):
+def test_a_triggered_deployment_runs_on_the_worker_and_lands_in_the_mlflow_server(
+    tmp_path, monkeypatch
+):
     from mlflow import MlflowClient
 
     s = Served(tmp_path, "serve-e2e")
     try:
         s.wait_ready()
+        assert credentials_path(s.state).stat().st_mode & 0o077 == 0
+        _replay_attacks(s)
+        # a second serve on the same state directory is refused and leaves the first's logs
+        worker_log = s.state / "runs" / "serve" / "mlflow.log"
+        before = worker_log.stat().st_size
+        second = subprocess.run(
+            [str(Path(sys.executable).with_name("grpo")), "serve", "--state-dir", str(s.state),
+             "--prefect-port", str(_free_port()), "--mlflow-port", str(_free_port())],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert second.returncode == 2, second.stderr
+        assert "another grpo serve" in second.stderr and len(second.stderr.splitlines()) == 1
+        assert worker_log.stat().st_size >= before > 0
+        for k, v in s.client_env().items():
+            monkeypatch.setenv(k, v)
         t0 = time.time()
         run = s.trigger(timeout=0)  # returns at once; the worker must pick the run up
         s.wait_state(run["id"], WAITING, 120, "the worker did not start the run")
-        state = s.wait_state(run["id"], ("RUNNING",), 600, "the run did not finish")
+        cmdlines, deadline = set(), time.time() + 600  # the process list, sampled each second
+        while (state := s.flow_run_state(run["id"])) == "RUNNING":
+            cmdlines |= _cmdlines()
+            assert time.time() < deadline, "the run did not finish within 600s"
+            time.sleep(1)
         print(f"flow run {run['id']} ended {state} after {time.time() - t0:.0f}s")
         assert state == "COMPLETED", s.out.read_text()[-3000:]
         # the evaluation table and the link to the MLflow run, on the flow run in Prefect
@@ -166,6 +263,33 @@ def test_a_triggered_deployment_runs_on_the_worker_and_lands_in_the_mlflow_serve
         # serve's store is its own: the project's plain mlflow.db was not touched
         assert (s.state / "mlflow-serve.db").exists() and not (s.state / "mlflow.db").exists()
 
+        # the CLI finds the credentials by itself (GRPO_SERVE_STATE) for promote and evaluate
+        cli_env = {k: v for k, v in os.environ.items() if not k.endswith(("USERNAME", "PASSWORD"))}
+        cli_env |= {"MLFLOW_TRACKING_URI": s.tracking, "GRPO_SERVE_STATE": str(s.state)}
+        grpo = str(Path(sys.executable).with_name("grpo"))
+        out = subprocess.run([grpo, "promote", "--config", str(s.config), "--version", mv.version,
+                              "--reason", "e2e"], env=cli_env, capture_output=True, text=True,
+                             cwd=tmp_path, timeout=120)  # fmt: skip
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert c.get_model_version_by_alias("serve-e2e", "champion").version == mv.version
+        out = subprocess.run([grpo, "evaluate", "--config", str(s.config), "--model",
+                              "models:/serve-e2e@champion", "--sets", "synthetic", "--limit", "8",
+                              "--out", str(tmp_path / "ev")], env=cli_env, capture_output=True,
+                             text=True, cwd=tmp_path, timeout=300)  # fmt: skip
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert (tmp_path / "ev" / "report.json").exists()
+
+        # no secret in MLflow params or tags, Prefect parameters, logs or command lines
+        secrets = [s.creds["mlflow_password"], s.creds["prefect_password"],
+                   s.creds["flask_secret_key"]]  # fmt: skip
+        recorded = [json.dumps(r.data.params) + json.dumps(r.data.tags) for r in parents + kids]
+        recorded += [json.dumps(mv.tags), json.dumps(s.api_post("/flow_runs/filter", {}))]
+        for f in s.state.rglob("*"):
+            if f.is_file() and f != credentials_path(s.state) and f.suffix != ".db":
+                recorded.append(f.read_text(errors="replace"))
+        recorded += sorted(cmdlines)
+        assert not [x for x in secrets for r in recorded if x in r]
+
         below = s.children()
         assert len(below) >= 3
     finally:
@@ -174,7 +298,7 @@ def test_a_triggered_deployment_runs_on_the_worker_and_lands_in_the_mlflow_serve
     time.sleep(1)
     assert not _alive(below), _alive(below)
     # after serve, a plain pipeline in the same state directory uses its own sqlite store
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env = {k: v for k, v in os.environ.items() if k not in s.client_env()}
     out = subprocess.run(
         [str(Path(sys.executable).with_name("grpo")), "pipeline", "--config", str(s.config),
          "--set", "grpo.steps=1"],
