@@ -44,7 +44,7 @@ def main() -> None:
     from grpo.engine.deepspeed_setup import build_engine
     from grpo.engine.distributed import init_distributed
     from grpo.engine.schedules import lr_lambda
-    from grpo.engine.update import PolicyUpdate
+    from grpo.engine.update import UpdatePlan, update_policy
     from grpo.models.forward import completion_logits
     from grpo.models.generate import generate
 
@@ -122,13 +122,13 @@ def main() -> None:
         model, cfg, micro_batch=micro, grad_accum=-(-n // micro), lr=1e-6, weight_decay=0.0,
         max_grad_norm=1.0, lr_fn=lr_lambda(0, 1, "constant"),
     )  # fmt: skip
-    update = PolicyUpdate(engine, cfg.grpo, micro=micro, n_micro=-(-n // micro), world=world,
-                          zero_stage=0, device=device)  # fmt: skip
+    plan = UpdatePlan(micro=micro, n_micro=-(-n // micro), world=world, zero_stage=0,
+                      device=device)  # fmt: skip
     adv = torch.randn(n, device=device).unsqueeze(1).expand(ro.completion_ids.shape)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    m = update.update(ro, adv, None)
+    m = update_policy(engine, cfg.grpo, plan, ro, adv, None)
     _sync(cuda)
     result["update"] = {
         "seconds": round(time.perf_counter() - t0, 2),

@@ -24,6 +24,7 @@ def main() -> None:
     from grpo.engine.loop import Trainer
     from grpo.engine.sampling import keep_groups, sample_step
     from grpo.engine.scoring import token_advantages
+    from grpo.engine.update import trained_rows
     from grpo.launch.paths import base_model_dir
 
     p = argparse.ArgumentParser()
@@ -46,14 +47,14 @@ def main() -> None:
         return ro, token_advantages(cfg.grpo, ro, scores.rewards, rows, texts, t.tok)
 
     for step in range(3):
-        t.policy_update.update(*sample(step), None)
+        t.update(*sample(step), None)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         ro, adv = sample(3)
     print(f"sampling: {tuple(ro.completion_ids.shape)} completions x tokens")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.rows))
-    trained = t.policy_update.trained_rows(adv, ro.completion_mask).numel()
+    trained = trained_rows(cfg.grpo, adv, ro.completion_mask).numel()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        t.policy_update.update(ro, adv, None)
+        t.update(ro, adv, None)
     print(f"update: {trained} of {adv.shape[0]} completions have a non-zero advantage")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.rows))
     torch.distributed.destroy_process_group()

@@ -106,7 +106,9 @@ def main() -> None:
     t = Trainer(cfg, a.model or base_model_dir(cfg), tmp / "grpo")
     # train on every completion, so that the update's cost does not depend on how many
     # groups happened to be informative
-    t.policy_update.g = cfg.grpo.model_copy(update={"skip_zero_advantage": False})
+    t.cfg = cfg.model_copy(
+        update={"grpo": cfg.grpo.model_copy(update={"skip_zero_advantage": False})}
+    )
 
     def sample(step: int):  # noqa: ANN202
         sampled = sample_step(t.engine.module, t.tok, cfg, t.train_rows, t.scorer, step=step,
@@ -114,7 +116,7 @@ def main() -> None:
         ro, scores, texts, rows = keep_groups(sampled, t.local_prompts)
         return ro, token_advantages(cfg.grpo, ro, scores.rewards, rows, texts, t.tok)
 
-    t.policy_update.update(*sample(0), None)  # warm-up
+    t.update(*sample(0), None)  # warm-up
     timings: dict[str, list[float]] = {"sampling": [], "update": []}
     shapes: dict[str, Counter] = {}
     tokens = []
@@ -122,7 +124,7 @@ def main() -> None:
         t0 = time.perf_counter()
         ro, adv = sample(step)
         t1 = time.perf_counter()
-        t.policy_update.update(ro, adv, None)
+        t.update(ro, adv, None)
         t2 = time.perf_counter()
         timings["sampling"].append(t1 - t0)
         timings["update"].append(t2 - t1)
@@ -132,7 +134,7 @@ def main() -> None:
         ro, adv = sample(a.repeats + 1)
     shapes["sampling"] = rec.shapes
     with _recorder() as rec:
-        t.policy_update.update(ro, adv, None)
+        t.update(ro, adv, None)
     shapes["update"] = rec.shapes
     rows = [_phase(n, shapes[n], timings[n]) for n in ("sampling", "update")]
     threads = torch.get_num_threads()

@@ -78,8 +78,8 @@ def _train_with_control(
     cfg: Any, pid: str, ref: str, run_dir: Path, control: bool
 ) -> tuple[dict[str, Any], str | None]:
     """GRPO, and the SFT control for the same wall time: beside it, each on half the cores,
-    following its progress file, or after it for its seconds (sft.control)."""
-    from grpo.engine.pace import PROGRESS_FILE, mark_done
+    following its pace file, or after it for its seconds (sft.control)."""
+    from grpo.engine.pace import PACE_FILE, mark_done
     from tasks import stages
 
     if not (control and cfg.sft.enabled):
@@ -88,10 +88,11 @@ def _train_with_control(
     if threads is None:
         trained = stages.train_policy(cfg, pid, ref, run_dir)
         return trained, stages.sft_control(cfg, pid, ref, run_dir, seconds=trained["seconds"])
-    pace = run_dir / "grpo" / PROGRESS_FILE  # run_dir is new for every flow run
+    pace = run_dir / "grpo" / PACE_FILE  # run_dir is new for every flow run
     future = stages.sft_control.submit(cfg, pid, ref, run_dir, follow=pace, threads=threads)
     try:
-        trained = stages.train_policy(cfg, pid, ref, run_dir, threads=threads)
+        trained = stages.train_policy(cfg, pid, ref, run_dir, threads=threads,
+                                      pace_file=pace)  # fmt: skip
     finally:
         mark_done(pace)  # also when GRPO failed: the control must not outlive it
         future.wait()

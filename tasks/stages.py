@@ -143,12 +143,13 @@ def _log_reference_once(c: Any, run_id: str, ref: Path) -> None:
 
 @task(name="train-grpo", retries=1, retry_delay_seconds=5)
 def train_policy(
-    cfg: Config, parent_id: str, reference: str, run_dir: Path, threads: int | None = None
-) -> dict[str, Any]:
+    cfg: Config, parent_id: str, reference: str, run_dir: Path, threads: int | None = None,
+    pace_file: Path | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """GRPO ranks as a subprocess (DeepSpeed launcher when distributed), logs streamed.
 
     A retry resumes from the last checkpoint of the same run directory. `threads` limits its
-    CPU threads (the control runs beside it on the others).
+    CPU threads (the control runs beside it on the others, paced by `pace_file`).
     """
     import pandas as pd
     from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
@@ -170,7 +171,7 @@ def train_policy(
         try:
             with streamer:
                 summary = run_grpo(cfg, Path(reference), out, resume=True, log=log.info,
-                                   env=_thread_env(threads))  # fmt: skip
+                                   env=_thread_env(threads), pace_file=pace_file)  # fmt: skip
         finally:
             monitor.finish()
         n = streamer.drain()
@@ -227,7 +228,7 @@ def sft_control(
     threads: int | None = None,
 ) -> str:
     """The honest control: the SFT reference trained on for the GRPO stage's wall time, after
-    it (seconds) or beside it until its progress file says done (follow)."""
+    it (seconds) or beside it until its pace file says done (follow)."""
     from grpo.launch.runner import run_control
 
     log = get_run_logger()

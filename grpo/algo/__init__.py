@@ -1,7 +1,8 @@
 """The GRPO math: pure functions over tensors and plain scalars, no frameworks and no I/O.
 
-advantages (outcome estimators by name, process supervision), the clipped policy loss with its
-aggregations by name, and token log-probs / entropy. docs/ALGORITHM.md has the formulas.
+advantages (outcome estimators by name, process supervision), the policy loss with its
+objectives (clip, CISPO, SAPO) and aggregations by name, and token log-probs / entropy.
+docs/ALGORITHM.md has the formulas.
 """
 
 from grpo.algo.advantages import (
@@ -12,12 +13,22 @@ from grpo.algo.advantages import (
     zero_std_groups,
 )
 from grpo.algo.logprobs import token_entropy, token_logprobs
-from grpo.algo.loss import IMPORTANCE_LEVELS, LOSS_AGGREGATIONS, aggregate, k3_kl, policy_loss
+from grpo.algo.loss import (
+    IMPORTANCE_LEVELS,
+    LOSS_AGGREGATIONS,
+    POLICY_OBJECTIVES,
+    ObjectiveParams,
+    aggregate,
+    k3_kl,
+    policy_loss,
+)
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "IMPORTANCE_LEVELS",
     "LOSS_AGGREGATIONS",
+    "POLICY_OBJECTIVES",
+    "ObjectiveParams",
     "advantage_modes",
     "aggregate",
     "group_advantages",

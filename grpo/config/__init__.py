@@ -44,8 +44,19 @@ __all__ = [
     "TrackingConfig",
     "apply_overrides",
     "load_config",
+    "prompts_split_error",
     "set_label",
 ]
+
+
+def prompts_split_error(prompts_per_step: int, world: int, ranks: str) -> str | None:
+    """The one rule on ranks: each samples the same number of whole prompts (groups stay on one
+    rank). Checked where the world size becomes known: the config (deepspeed.nproc), preflight
+    (a hostfile) and the training loop (the ranks a launcher really started); `ranks` names the
+    source."""
+    if prompts_per_step % world:
+        return f"grpo.prompts_per_step ({prompts_per_step}) must be divisible by {ranks} ({world})"
+    return None
 
 
 class ConfigError(ValueError):
@@ -74,12 +85,9 @@ class Config(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> Config:
-        world = self.deepspeed.nproc
-        if self.grpo.prompts_per_step % world:
-            raise ValueError(
-                f"grpo.prompts_per_step ({self.grpo.prompts_per_step}) must be divisible by "
-                f"deepspeed.nproc ({world})"
-            )
+        if error := prompts_split_error(self.grpo.prompts_per_step, self.deepspeed.nproc,
+                                        "deepspeed.nproc"):  # fmt: skip
+            raise ValueError(error)
         gate_set = self.tracking.promotion_metric.split("/")[1]
         if gate_set not in [set_label(n) for n in self.eval.sets]:
             raise ValueError(

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from grpo.algo.loss import ObjectiveParams
 from grpo.config.base import Strict, one_of
 from grpo.config.trl_names import rename_trl_keys
 
@@ -25,8 +26,26 @@ class GRPOConfig(Strict):
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
     beta: float = Field(0.0, ge=0, description="KL weight; 0 never loads the reference")
-    eps_low: float = Field(0.2, gt=0, lt=1, description="clip range below 1")
-    eps_high: float = Field(0.28, gt=0, description="clip range above 1 (clip-higher, DAPO)")
+    eps_low: float = Field(
+        0.2, gt=0, lt=1, description="clip range below 1 (unset with importance_level sequence: "
+        "3e-4, the GSPO paper's)",
+    )  # fmt: skip
+    eps_high: float = Field(
+        0.28, gt=0, description="clip range above 1 (clip-higher, DAPO; unset with "
+        "importance_level sequence: 4e-4, the GSPO paper's)",
+    )  # fmt: skip
+    policy_objective: str = Field(
+        "clip",
+        description="a name in grpo.algo.loss.POLICY_OBJECTIVES: clip (PPO), cispo (MiniMax-M1: "
+        "clipped, detached importance weight) or sapo (soft sigmoid gate)",
+    )
+    cispo_max_weight: float = Field(5.0, gt=0, description="cispo: the importance weight's cap")
+    sapo_tau_pos: float = Field(1.0, gt=0, description="sapo: gate temperature where A > 0")
+    sapo_tau_neg: float = Field(1.05, gt=0, description="sapo: gate temperature where A < 0")
+    entropy_coef: float = Field(
+        0.0, ge=0, description="entropy bonus: minus this times the token entropy joins the "
+        "loss (aggregated like it); 0 off",
+    )  # fmt: skip
     loss_type: str = Field(
         "dapo",
         description="a name in grpo.algo.loss.LOSS_AGGREGATIONS; unset with importance_level "
@@ -101,10 +120,23 @@ class GRPOConfig(Strict):
 
     @property
     def uses_reference(self) -> bool:
-        """The one decision whether a frozen reference model is loaded: only for a KL term."""
+        """The one decision whether a frozen reference model is loaded and the KL term is in
+        the loss: only for beta > 0."""
         return self.beta > 0
 
-    @field_validator("loss_type", "importance_level", "advantage_mode", "process_reward")
+    @property
+    def uses_entropy_bonus(self) -> bool:
+        return self.entropy_coef > 0
+
+    def objective_params(self) -> ObjectiveParams:
+        return ObjectiveParams(
+            eps_low=self.eps_low, eps_high=self.eps_high, cispo_max_weight=self.cispo_max_weight,
+            sapo_tau_pos=self.sapo_tau_pos, sapo_tau_neg=self.sapo_tau_neg,
+        )  # fmt: skip
+
+    @field_validator(
+        "loss_type", "policy_objective", "importance_level", "advantage_mode", "process_reward"
+    )
     @classmethod
     def _registered(cls, v: str, info: ValidationInfo) -> str:
         return one_of(info.field_name, v, _registered_names()[info.field_name])
@@ -121,9 +153,13 @@ class GRPOConfig(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> GRPOConfig:
-        if self.importance_level == "sequence" and "loss_type" not in self.model_fields_set:
-            # GSPO weights sequences equally; a token-weighted default would weight by length
-            object.__setattr__(self, "loss_type", "grpo")
+        if self.importance_level == "sequence":
+            # GSPO's own settings where the user gave none: sequences weighted equally (a
+            # token-weighted default would weight by length), and clip widths for a sequence
+            # ratio, whose spread is far narrower than a token's (the paper, section 5.1)
+            for name, value in (("loss_type", "grpo"), ("eps_low", 3e-4), ("eps_high", 4e-4)):
+                if name not in self.model_fields_set:
+                    object.__setattr__(self, name, value)
         if len(self.reward_weights) != len(self.reward_funcs):
             raise ValueError(
                 f"reward_weights has {len(self.reward_weights)} entries for "
@@ -139,11 +175,12 @@ class GRPOConfig(Strict):
 def _registered_names() -> dict[str, tuple[str, ...]]:
     """The allowed values of each registry-named field, read from the registries."""
     from grpo.algo.advantages import advantage_modes
-    from grpo.algo.loss import IMPORTANCE_LEVELS, LOSS_AGGREGATIONS
+    from grpo.algo.loss import IMPORTANCE_LEVELS, LOSS_AGGREGATIONS, POLICY_OBJECTIVES
     from reward_fns import PROCESS_REWARDS
 
     return {
         "loss_type": tuple(LOSS_AGGREGATIONS),
+        "policy_objective": tuple(POLICY_OBJECTIVES),
         "importance_level": IMPORTANCE_LEVELS,
         "advantage_mode": advantage_modes(),
         "process_reward": tuple(PROCESS_REWARDS),

@@ -23,7 +23,13 @@ TRL_ALIASES: dict[str, str] = {
     "save_total_limit": "keep_checkpoints",
     "eval_steps": "eval_every",
     "soft_punish_cache": "overlong_cache",
+    "sapo_temperature_pos": "sapo_tau_pos",
+    "sapo_temperature_neg": "sapo_tau_neg",
 }
+
+# TRL's loss_type values that are objectives here: loss_type -> (policy_objective, loss_type).
+# TRL aggregates cispo over the global batch's tokens (our dapo) and sapo per sequence (grpo).
+TRL_OBJECTIVES: dict[str, tuple[str, str]] = {"cispo": ("cispo", "dapo"), "sapo": ("sapo", "grpo")}
 
 # TRL's scale_rewards value -> our grpo.advantage_mode
 SCALE_REWARDS: dict[Any, str] = {
@@ -72,6 +78,17 @@ class TRLNameError(ValueError):
 def rename_trl_keys(data: dict[str, Any]) -> dict[str, Any]:
     """A copy of a `grpo` section (or a flat TRL config) with TRL's names turned into ours."""
     out = dict(data)
+    if out.get("loss_type") in TRL_OBJECTIVES:
+        if "policy_objective" in out:
+            raise TRLNameError(
+                f"loss_type {out['loss_type']!r} (TRL) and policy_objective are the same "
+                "setting; give one"
+            )
+        objective = out["loss_type"]
+        out["policy_objective"], out["loss_type"] = TRL_OBJECTIVES[objective]
+        # TRL's cispo reads epsilon_high as the weight's cap itself, not a distance from 1
+        if objective == "cispo" and "epsilon_high" in out:
+            out["cispo_max_weight"] = out.pop("epsilon_high")
     for trl, ours in TRL_ALIASES.items():
         if trl in out:
             if ours in out:

@@ -52,3 +52,12 @@ def all_reduce_sum(values: list[float], device: torch.device, op: str = "sum") -
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
     return t.tolist()
+
+
+def all_reduce_dict(
+    values: dict[str, float], device: torch.device, op: str = "sum"
+) -> dict[str, float]:
+    """all_reduce_sum by name: every rank must pass the same keys (they are reduced in sorted
+    order, so the order a rank built its dict in does not matter)."""
+    keys = sorted(values)
+    return dict(zip(keys, all_reduce_sum([values[k] for k in keys], device, op)))

@@ -2,10 +2,11 @@
 
 Same code on one CPU process, N CPU ranks, or GPUs across nodes (DeepSpeed). Each rank samples
 its share of prompts (whole groups stay on one rank, so advantages need no communication); the
-only collective of the algorithm is the global active-token count for loss_type "dapo".
-Departure from TRL: pi_old's log-probs come from the sampling pass itself
-(grpo.models.generate), so mu > 1 costs no extra forward; with mu = 1, pi_old = pi_theta.detach()
-exactly. docs/ALGORITHM.md has the formulas and what every logged metric means.
+only collective of the algorithm is the global active-token count of aggregations with a global
+normaliser (dapo). pi_old: with mu = 1 it is pi_theta.detach() exactly; with mu > 1 it is the
+first pass's own training forward (old_logprobs recompute, the default: that forward runs
+anyway) or the sampler's log-probs (sampler). docs/ALGORITHM.md has the formulas and what every
+logged metric means.
 """
 
 from __future__ import annotations
@@ -13,25 +14,25 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from grpo.config import Config
+from grpo.config import Config, prompts_split_error
 from grpo.data.sets import eval_set, training_sets
 from grpo.engine.deepspeed_setup import build_engine, gathered, save_policy
 from grpo.engine.distributed import all_reduce_sum, init_distributed
-from grpo.engine.pace import PROGRESS_FILE, write_progress
 from grpo.engine.reference import Reference
 from grpo.engine.rollout_metrics import rollout_metrics
 from grpo.engine.run_files import RunFiles
 from grpo.engine.sampling import keep_groups, sample_step
 from grpo.engine.schedules import lr_lambda
 from grpo.engine.scoring import RewardScorer, token_advantages
-from grpo.engine.update import PolicyUpdate
+from grpo.engine.update import UpdatePlan, update_policy
 from grpo.eval.run import generate_for_rows
-from grpo.models.generate import resolve_engine
+from grpo.models.generate import Rollout, resolve_engine
 from grpo.models.loading import device_for, eos_token_ids, load_model, load_tokenizer
 from grpo.progress import progress_bar
 
@@ -47,12 +48,9 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.seed)
         self.tok = load_tokenizer(policy_dir)
-        if g.prompts_per_step % self.world:
-            # a hostfile or launcher can start other ranks than deepspeed.nproc said
-            raise ValueError(
-                f"grpo.prompts_per_step ({g.prompts_per_step}) is not divisible by the world "
-                f"size {self.world}: each rank must sample the same number of prompts"
-            )
+        # a hostfile or launcher can start other ranks than deepspeed.nproc said
+        if error := prompts_split_error(g.prompts_per_step, self.world, "the world size"):
+            raise ValueError(error)
         self.local_prompts = g.prompts_per_step // self.world
         local_batch = self.local_prompts * g.num_generations
         micro = min(g.micro_batch_size, local_batch)
@@ -64,10 +62,8 @@ class Trainer:
             weight_decay=g.weight_decay, max_grad_norm=g.max_grad_norm,
             lr_fn=lr_lambda(g.warmup_steps, g.steps * g.mu, g.lr_schedule),
         )  # fmt: skip
-        self.policy_update = PolicyUpdate(
-            self.engine, g, micro=micro, n_micro=n_micro, world=self.world,
-            zero_stage=cfg.deepspeed.zero_stage, device=self.device,
-        )  # fmt: skip
+        self.plan = UpdatePlan(micro=micro, n_micro=n_micro, world=self.world,
+                               zero_stage=cfg.deepspeed.zero_stage, device=self.device)  # fmt: skip
         # beta = 0: no KL term, and the reference is never loaded
         self.reference = Reference(cfg, policy_dir, self.device) if g.uses_reference else None
         self.micro = micro
@@ -81,8 +77,15 @@ class Trainer:
         if self.rank == 0:
             (self.out / "deepspeed_config.json").write_text(json.dumps(ds_config, indent=2))
 
-    def train(self, resume: bool = False, progress: bool = True) -> dict[str, Any]:
+    def train(
+        self, resume: bool = False, progress: bool = True,
+        on_step: Callable[[int, int, bool], None] | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """Steps from the last checkpoint (resume) to grpo.steps. on_step(done_steps, steps,
+        finished) is called on rank 0 after every step and once at the end (the launcher uses it
+        to pace a control run beside this one)."""
         g = self.cfg.grpo
+        report = on_step if on_step is not None and self.rank == 0 else lambda *_: None
         start = self.files.open(self.engine, resume)
         bar = progress_bar(g.steps, "grpo", "step", enabled=progress and not self.rank,
                            initial=start)  # fmt: skip
@@ -96,15 +99,13 @@ class Trainer:
             self.files.log_metrics(m)
             if (step + 1) % g.checkpoint_every == 0 or step + 1 == g.steps:
                 self.files.save_checkpoint(self.engine, step + 1)
-            if self.rank == 0:
-                write_progress(self.out / PROGRESS_FILE, step + 1, g.steps)
+            report(step + 1, g.steps, False)
             bar.update(1)
             bar.set_postfix(reward=f"{m['reward']:.3f}", kl=f"{m.get('kl', 0):.4f}", refresh=False)
             last = m
         bar.close()
         self.files.close()
-        if self.rank == 0:  # a control running beside this run stops here
-            write_progress(self.out / PROGRESS_FILE, g.steps, g.steps, done=True)
+        report(g.steps, g.steps, True)  # a control running beside this run stops here
         save_policy(self.engine, self.tok, self.out / "policy", self.rank,
                     self.cfg.deepspeed.zero_stage)  # fmt: skip
         engine = resolve_engine(self.engine.module, self.cfg.model.generation_engine)
@@ -131,7 +132,7 @@ class Trainer:
         ref_logps = self.reference.logps(ro, self.micro) if self.reference else None
         t3 = time.time()
         # 4. update: mu clipped policy-gradient passes
-        m = self.policy_update.update(ro, adv, ref_logps)
+        m = self.update(ro, adv, ref_logps)
         t4 = time.time()
         # 5. log
         m.update(rollout_metrics(ro, scores.rewards, scores.per_fn, self.device))
@@ -152,6 +153,11 @@ class Trainer:
             self.files.log_completions(step + 1, rows, texts, scores, ro.group_size)
         return m
 
+    def update(
+        self, ro: Rollout, adv: torch.Tensor, ref_logps: torch.Tensor | None
+    ) -> dict[str, float]:
+        return update_policy(self.engine, self.cfg.grpo, self.plan, ro, adv, ref_logps)
+
     def heldout_accuracy(self) -> float:
         """Greedy accuracy on the in-run held-out problems, sharded over ranks."""
         if not self.eval_rows:
@@ -167,6 +173,7 @@ class Trainer:
 
 
 def train_grpo(
-    cfg: Config, policy_dir: str | Path, out_dir: str | Path, resume: bool = False
-) -> dict[str, Any]:
-    return Trainer(cfg, policy_dir, out_dir).train(resume=resume)
+    cfg: Config, policy_dir: str | Path, out_dir: str | Path, resume: bool = False,
+    on_step: Callable[[int, int, bool], None] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    return Trainer(cfg, policy_dir, out_dir).train(resume=resume, on_step=on_step)

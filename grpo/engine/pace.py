@@ -1,6 +1,6 @@
-"""A GRPO run's progress, for the SFT control that runs beside it.
+"""A GRPO run's pace (steps done of steps planned), for the SFT control that runs beside it.
 
-The trainer writes `progress.json` (steps done, steps planned, done) after every step. The
+The trainer writes `pace.json` (steps done, steps planned, done) after every step. The
 control anneals its learning rate by that fraction and stops when the file says done, so both
 get the same wall time, on half of the machine each. The pipeline marks the file done when the
 GRPO stage ends in any way, so that a failed GRPO run never leaves the control running.
@@ -12,17 +12,17 @@ import json
 import os
 from pathlib import Path
 
-PROGRESS_FILE = "progress.json"
+PACE_FILE = "pace.json"
 
 
-def write_progress(path: Path, step: int, steps: int, done: bool = False) -> None:
-    """Replace the progress file atomically: a reader never sees half a file."""
+def write_pace(path: Path, step: int, steps: int, done: bool = False) -> None:
+    """Replace the pace file atomically: a reader never sees half a file."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps({"step": step, "steps": steps, "done": done}))
     os.replace(tmp, path)
 
 
-def read_progress(path: Path) -> tuple[float, bool]:
+def read_pace(path: Path) -> tuple[float, bool]:
     """(fraction of the steps done, done); (0.0, False) before the run wrote its first step."""
     if not path.exists():
         return 0.0, False
@@ -37,4 +37,4 @@ def mark_done(path: Path) -> None:
         p = json.loads(path.read_text())
         step, steps = p["step"], p["steps"]
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_progress(path, step, steps, done=True)
+    write_pace(path, step, steps, done=True)

@@ -23,7 +23,7 @@ def lr_lambda(warmup: int, total: int, schedule: str) -> Callable[[int], float]:
     return f
 
 
-def progress_cosine(warmup: int, progress: Callable[[], float]) -> Callable[[int], float]:
+def paced_cosine(warmup: int, progress: Callable[[], float]) -> Callable[[int], float]:
     """Warmup by steps, then cosine decay over `progress()` going from 0 to 1, whatever it
     measures (wall-clock time, another run's steps): a budget not counted in own steps."""
 

@@ -4,7 +4,7 @@ Trained until the validation loss on held-back worked solutions stops improving,
 learning rate has been cut (`PlateauLR`), and the best checkpoint is kept: the reference is as
 good as its data allows, so that any later gain is GRPO's and not an undertrained starting
 point's. The control run is SFT simply continued for the GRPO stage's wall time: given in seconds
-(`max_seconds`, after GRPO) or by following GRPO's progress file while it trains (`follow`).
+(`max_seconds`, after GRPO) or by following GRPO's pace file while it trains (`follow`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import torch
 from grpo.config import Config
 from grpo.engine.deepspeed_setup import build_engine, save_policy
 from grpo.engine.distributed import all_reduce_sum, init_distributed
-from grpo.engine.pace import read_progress
-from grpo.engine.schedules import PlateauLR, progress_cosine
+from grpo.engine.pace import read_pace
+from grpo.engine.schedules import PlateauLR, paced_cosine
 from grpo.models.loading import device_for, load_model, load_tokenizer
 from grpo.models.prompts import render_prompt
 from grpo.progress import progress_bar
@@ -97,7 +97,7 @@ class _Budget:
         """Called by the learning-rate schedule at every optimizer step (warmup included)."""
         if self.follow is not None:
             # one read per step: `spent` after the step uses the done flag read here
-            frac, self.done = read_progress(self.follow)
+            frac, self.done = read_pace(self.follow)
             return frac
         if self.t0 is None:  # the clock starts at the first step
             self.t0 = time.time()
@@ -140,7 +140,7 @@ def train_sft(
     # the reference cuts its learning rate at each plateau; the control anneals over its budget
     plateau = PlateauLR(s.warmup_steps, s.patience, s.lr_cuts, s.lr_cut_factor)
     budget = _Budget(max_seconds, follow)
-    lr_fn = progress_cosine(s.warmup_steps, budget.fraction) if budget.limited else plateau
+    lr_fn = paced_cosine(s.warmup_steps, budget.fraction) if budget.limited else plateau
     engine, _ = build_engine(
         model, cfg, micro_batch=s.batch_size // world, grad_accum=1, lr=s.lr,
         weight_decay=s.weight_decay, max_grad_norm=s.max_grad_norm, lr_fn=lr_fn,

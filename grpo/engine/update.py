@@ -1,21 +1,27 @@
-"""Step 4, update: mu passes of clipped policy-gradient steps over the rollout (one optimizer
-step per pass), in micro-batches, through the DeepSpeed engine.
+"""Step 4, update: mu passes of policy-gradient steps over the rollout (one optimizer step per
+pass), in micro-batches, through the DeepSpeed engine.
 
+`update_policy` is a function of the engine, the settings and the rollout; what one pass learns
+for the next (pi_old) and the log-prob gap it measures are values passed along, not state.
 The bookkeeping here exists for DeepSpeed: every rank makes the same number of backward calls
 per pass, whatever it skipped, because the accumulation boundary and ZeRO-2's gradient buckets
-(filled in hook order) count on it. docs/ALGORITHM.md has the loss itself.
+(filled in hook order) count on it. DeepSpeed also averages gradients over the micro-batches of
+a pass and over ranks; `micro_weight` turns that average back into the loss the aggregation
+defines. docs/ALGORITHM.md has the loss itself. Dimension letters: N completions, C completion
+tokens (padded), P prompt tokens.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from grpo.algo.logprobs import token_entropy, token_logprobs
-from grpo.algo.loss import policy_loss
+from grpo.algo.loss import LOSS_AGGREGATIONS, policy_loss
 from grpo.config import GRPOConfig
-from grpo.engine.distributed import all_reduce_sum
+from grpo.engine.distributed import all_reduce_dict
 from grpo.models.forward import completion_logits
 from grpo.models.generate import Rollout
 
@@ -28,6 +34,47 @@ POLICY_METRICS = (
 )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class UpdatePlan:
+    """How a rank's rollout splits for the update: n_micro micro-batches of at most micro
+    rows each, on `world` ranks under ZeRO stage zero_stage."""
+
+    micro: int
+    n_micro: int
+    world: int
+    zero_stage: int
+    device: torch.device
+
+
+@dataclass
+class _Gap:
+    """|trainer - sampler| log-prob over the first pass: sum, tokens, max."""
+
+    total: float = 0.0
+    tokens: float = 0.0
+    largest: float = 0.0
+
+    def add(self, trainer: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor) -> None:
+        """Sampler vs training-forward log-probs of the same tokens under the same weights: the
+        rollout/trainer mismatch (numerics, kernels, dtype) that TRL and verl users watch."""
+        d = (trainer - sampler).abs() * mask
+        self.total += float(d.sum())
+        self.tokens += float(mask.sum())
+        self.largest = max(self.largest, float(d.max()) if d.numel() else 0.0)
+
+
+@dataclass
+class _PassState:
+    """What the micro-batches of the update share: pi_old's log-probs [N, C] and the gap."""
+
+    old: torch.Tensor
+    gap: _Gap = field(default_factory=_Gap)
+
+
+def metric_keys(g: GRPOConfig) -> tuple[str, ...]:
+    return POLICY_METRICS + (("kl", "clamp/k3_frac") if g.uses_reference else ())
+
+
 def loss_mask(ro: Rollout, mask_truncated: bool) -> torch.Tensor:
     """The tokens the loss counts [N, C]: the completion mask, and with mask_truncated (DAPO's
     overlong filtering, TRL's mask_truncated_completions) none of a completion that hit
@@ -37,182 +84,171 @@ def loss_mask(ro: Rollout, mask_truncated: bool) -> torch.Tensor:
     return ro.completion_mask * (~ro.truncated).unsqueeze(1).to(ro.completion_mask.dtype)
 
 
-class PolicyUpdate:
-    """The update of one step: `update(rollout, advantages [N, C], ref_logps) -> metrics`."""
+def trained_rows(g: GRPOConfig, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Local rows to run forward/backward on, from advantages and the loss mask [N, C].
 
-    def __init__(
-        self,
-        engine: Any,
-        g: GRPOConfig,
-        *,
-        micro: int,
-        n_micro: int,
-        world: int,
-        zero_stage: int,
-        device: torch.device,
-    ) -> None:
-        self.engine, self.g, self.device = engine, g, device
-        self.micro, self.n_micro, self.world, self.zero_stage = micro, n_micro, world, zero_stage
-        self.metric_keys = POLICY_METRICS + (("kl", "clamp/k3_frac") if g.uses_reference else ())
+    A completion whose advantage is zero at every token adds exactly zero to every objective's
+    token loss (clip: -min(rho*0, clip(rho)*0); cispo: -w*0*log pi; sapo: -gate*0). When the
+    aggregation's normaliser does not depend on which rows run (global_normaliser), and no KL
+    term or entropy bonus acts on every row, skipping such rows is exact and saves the
+    forward/backward of every group whose rewards were all equal.
+    """
+    n = adv.shape[0]
+    exact = LOSS_AGGREGATIONS[g.loss_type].global_normaliser
+    if not (g.skip_zero_advantage and exact and not g.uses_reference and not g.uses_entropy_bonus):
+        return torch.arange(n)
+    per_row = (adv.abs() * mask).sum(1)  # [N]; a masked-out (truncated) row adds nothing
+    # != rather than >: a NaN advantage is kept, so its loss is seen as non-finite
+    return (per_row != 0).nonzero().squeeze(1).cpu()
 
-    def update(
-        self, ro: Rollout, adv: torch.Tensor, ref_logps: torch.Tensor | None
-    ) -> dict[str, float]:
-        """Entropy and clip metrics are over the completions trained on (see trained_rows)."""
-        g = self.g
-        mask = loss_mask(ro, g.mask_truncated_completions)  # [N, C]
-        if adv.shape != mask.shape:
-            raise ValueError(f"adv: expected [N, C] {tuple(mask.shape)}, got {tuple(adv.shape)}")
-        # dapo: normalise by the active tokens of the whole global batch (all ranks, all micro)
-        (num_items,) = all_reduce_sum([float(mask.sum())], self.device)
-        # DeepSpeed averages gradients over ranks and accumulation steps; dapo's per-micro loss
-        # is already a share of the global mean, so undo that averaging
-        scale = self.world * self.n_micro if g.loss_type == "dapo" else 1.0
-        if mask.shape[0] > self.n_micro * self.micro:
-            raise ValueError(
-                f"rollout: {mask.shape[0]} local rows exceed {self.n_micro} micro-batches of "
-                f"{self.micro}"
-            )
-        rows = self.trained_rows(adv, mask)
-        sums: dict[str, float] = {"_w": 0.0, "loss": 0.0}
-        nonfinite = 0
-        grad_norms: list[float] = []
-        # pi_old: the sampler's log-probs, replaced row by row by the first pass's own forward
-        # (the parameters do not change within a pass) when old_logprobs is recompute
-        self.old = ro.sampling_logps.clone() if g.mu > 1 else ro.sampling_logps
-        self.gap = [0.0, 0.0, 0.0]  # |trainer - sampler| log-prob: sum, tokens, max
-        for self.pass_ in range(g.mu):
-            for j in range(self.n_micro):
-                idx = rows[j * self.micro : (j + 1) * self.micro]
-                if idx.numel():
-                    loss, m = self._micro_loss(ro, mask, adv, ref_logps, idx, num_items)
-                else:
-                    loss, m = self._zero_gradient_loss(ro, mask, adv, ref_logps, num_items), {}
-                if not torch.isfinite(loss):
-                    nonfinite += 1
-                    loss = self._zero_gradient_loss(ro, mask, adv, ref_logps, num_items)
-                self.engine.backward(loss * scale)
-                if j == self.n_micro - 1 and self.zero_stage == 0:
-                    grad_norms.append(self._local_grad_norm())
-                self.engine.step()
-                w = m.pop("_w", 0.0)
-                for k in self.metric_keys:
-                    sums[k] = sums.get(k, 0.0) + m.get(k, 0.0) * w
-                sums["_w"] += w
-                sums["loss"] += float(loss.detach()) * scale / self.n_micro / g.mu
-        keys = sorted(self.metric_keys)
-        tot_gap = all_reduce_sum(self.gap[:2], self.device)
-        tot = all_reduce_sum(
-            [sums.get(k, 0.0) for k in keys] + [sums["_w"], sums["loss"], nonfinite], self.device
+
+def micro_weight(g: GRPOConfig, plan: UpdatePlan, rows_in_micro: int, local_rows: int) -> float:
+    """The factor on a micro-batch's loss that makes DeepSpeed's gradient the defined loss's.
+
+    DeepSpeed divides each micro-batch's gradient by n_micro and averages ranks. With a global
+    normaliser each micro-batch's loss is already its share of the global loss: undo both
+    (world * n_micro). Otherwise the loss is a mean over the micro-batch's rows: weight it by its
+    share of the rank's rows (n_micro * rows / local_rows), so that a short last micro-batch
+    does not count its rows more (ranks hold equal rows, so their average is right).
+    """
+    if LOSS_AGGREGATIONS[g.loss_type].global_normaliser:
+        return plan.world * plan.n_micro
+    if rows_in_micro == 0:  # an empty micro-batch's loss is already multiplied by 0
+        return 1.0
+    return plan.n_micro * rows_in_micro / local_rows
+
+
+def update_policy(
+    engine: Any, g: GRPOConfig, plan: UpdatePlan, ro: Rollout, adv: torch.Tensor,
+    ref_logps: torch.Tensor | None,
+) -> dict[str, float]:  # fmt: skip
+    """The update of one step: mu optimizer steps; returns its metrics, reduced over ranks.
+    Entropy and clip metrics are over the completions trained on (see trained_rows)."""
+    mask = loss_mask(ro, g.mask_truncated_completions)  # [N, C]
+    if adv.shape != mask.shape:
+        raise ValueError(f"adv: expected [N, C] {tuple(mask.shape)}, got {tuple(adv.shape)}")
+    if mask.shape[0] > plan.n_micro * plan.micro:
+        raise ValueError(
+            f"rollout: {mask.shape[0]} local rows exceed {plan.n_micro} micro-batches of "
+            f"{plan.micro}"
         )
-        out = {k: v / max(tot[-3], 1.0) for k, v in zip(keys, tot)}
-        out["loss"] = tot[-2] / self.world
-        out["nonfinite_losses"] = tot[-1]
-        if tot[-1] and g.on_nonfinite == "stop":
-            raise FloatingPointError(
-                f"non-finite loss in {int(tot[-1])} micro-batches; stopping (grpo.on_nonfinite="
-                "stop); the last checkpoint is kept"
-            )
-        # ZeRO 1-3 report the global norm; stage 0 does not, and its grads are whole on each rank
-        gn = self.engine.get_global_grad_norm()
-        out["grad_norm"] = float(gn) if gn is not None else float(grad_norms[-1])
-        (gap_max,) = all_reduce_sum([self.gap[2]], self.device, "max")
-        out["logprob_gap/mean"] = tot_gap[0] / max(tot_gap[1], 1.0)
-        out["logprob_gap/max"] = gap_max
-        out["learning_rate"] = float(self.engine.get_lr()[0])
-        return out
+    # the active tokens of the whole global batch (all ranks, all micro-batches)
+    num_items = all_reduce_dict({"tokens": float(mask.sum())}, plan.device)["tokens"]
+    rows = trained_rows(g, adv, mask)
+    keys = metric_keys(g)
+    sums: dict[str, float] = {"_w": 0.0, "loss": 0.0, "nonfinite_losses": 0.0}
+    grad_norms: list[float] = []
+    # pi_old: the sampler's log-probs, replaced row by row by the first pass's own forward
+    # (the parameters do not change within a pass) when old_logprobs is recompute
+    state = _PassState(ro.sampling_logps.clone() if g.mu > 1 else ro.sampling_logps)
+    for pass_ in range(g.mu):
+        for j in range(plan.n_micro):
+            idx = rows[j * plan.micro : (j + 1) * plan.micro]
+            weight = micro_weight(g, plan, idx.numel(), mask.shape[0])
+            if idx.numel():
+                loss, m = _micro_loss(engine, g, ro, mask, adv, ref_logps, idx, num_items,
+                                      state, first_pass=pass_ == 0)  # fmt: skip
+            else:
+                loss, m = _zero_gradient_loss(engine, g, ro, mask, adv, ref_logps, num_items), {}
+            if not torch.isfinite(loss):
+                sums["nonfinite_losses"] += 1
+                loss = _zero_gradient_loss(engine, g, ro, mask, adv, ref_logps, num_items)
+            engine.backward(loss * weight)
+            if j == plan.n_micro - 1 and plan.zero_stage == 0:
+                grad_norms.append(_local_grad_norm(engine))
+            engine.step()
+            w = m.pop("_w", 0.0)
+            for k in keys:
+                sums[k] = sums.get(k, 0.0) + m.get(k, 0.0) * w
+            sums["_w"] += w
+            sums["loss"] += float(loss.detach()) * weight / plan.n_micro / g.mu
+    gap = state.gap
+    tot = all_reduce_dict(
+        {**{k: sums.get(k, 0.0) for k in keys}, "_w": sums["_w"], "loss": sums["loss"],
+         "nonfinite_losses": sums["nonfinite_losses"], "_gap": gap.total,
+         "_gap_tokens": gap.tokens},
+        plan.device,
+    )  # fmt: skip
+    out = {k: tot[k] / max(tot["_w"], 1.0) for k in keys}
+    out["loss"] = tot["loss"] / plan.world
+    out["nonfinite_losses"] = tot["nonfinite_losses"]
+    if tot["nonfinite_losses"] and g.on_nonfinite == "stop":
+        raise FloatingPointError(
+            f"non-finite loss in {int(tot['nonfinite_losses'])} micro-batches; stopping "
+            "(grpo.on_nonfinite=stop); the last checkpoint is kept"
+        )
+    # ZeRO 1-3 report the global norm; stage 0 does not, and its grads are whole on each rank
+    gn = engine.get_global_grad_norm()
+    out["grad_norm"] = float(gn) if gn is not None else float(grad_norms[-1])
+    out["logprob_gap/mean"] = tot["_gap"] / max(tot["_gap_tokens"], 1.0)
+    out["logprob_gap/max"] = all_reduce_dict({"max": gap.largest}, plan.device, "max")["max"]
+    out["learning_rate"] = float(engine.get_lr()[0])
+    return out
 
-    def trained_rows(self, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Local rows to run forward/backward on, from advantages and the loss mask [N, C].
 
-        With no KL term and the dapo loss, a completion whose advantage is zero at every token
-        adds exactly zero to the loss and its gradient (-min(rho*0, clip(rho)*0) = 0), and dapo's
-        normaliser (num_items, all tokens of the global batch) does not depend on which rows run;
-        skipping them is exact and saves the forward/backward of every group whose rewards were
-        all equal. Other loss types divide by per-micro-batch counts, and a KL term acts on every
-        row, so they train on all rows.
-        """
-        g = self.g
-        n = adv.shape[0]
-        if not (g.skip_zero_advantage and not g.uses_reference and g.loss_type == "dapo"):
-            return torch.arange(n)
-        per_row = (adv.abs() * mask).sum(1)  # [N]; a masked-out (truncated) row adds nothing
-        # != rather than >: a NaN advantage is kept, so its loss is seen as non-finite
-        return (per_row != 0).nonzero().squeeze(1).cpu()
+def _zero_gradient_loss(
+    engine: Any, g: GRPOConfig, ro: Rollout, mask: torch.Tensor, adv: torch.Tensor,
+    ref_logps: torch.Tensor | None, num_items: float,
+) -> torch.Tensor:  # fmt: skip
+    """A loss with an exactly zero gradient that still runs the model: one row, advantage 0,
+    weight 0. Every rank then makes the same backward calls with gradient hooks firing in
+    the same order (ZeRO-2 packs gradients into its reduce buckets in hook order)."""
+    one_row = torch.tensor([0])
+    zeros = torch.zeros_like(adv)
+    loss, _ = _micro_loss(engine, g, ro, mask, zeros, ref_logps, one_row, num_items, None)
+    if torch.isfinite(loss):
+        return loss * 0.0
+    # the model's own output is not finite: a zero gradient without a forward pass
+    return sum(p.sum() for p in engine.parameters()) * 0.0
 
-    def _zero_gradient_loss(
-        self,
-        ro: Rollout,
-        mask: torch.Tensor,
-        adv: torch.Tensor,
-        ref_logps: torch.Tensor | None,
-        num_items: float,
-    ) -> torch.Tensor:
-        """A loss with an exactly zero gradient that still runs the model: one row, advantage 0,
-        weight 0. Every rank then makes the same backward calls with gradient hooks firing in
-        the same order (ZeRO-2 packs gradients into its reduce buckets in hook order)."""
-        one_row = torch.tensor([0])
-        zeros = torch.zeros_like(adv)
-        loss, _ = self._micro_loss(ro, mask, zeros, ref_logps, one_row, num_items, record=False)
-        if torch.isfinite(loss):
-            return loss * 0.0
-        # the model's own output is not finite: a zero gradient without a forward pass
-        return sum(p.sum() for p in self.engine.parameters()) * 0.0
 
-    def _micro_loss(
-        self,
-        ro: Rollout,
-        loss_mask: torch.Tensor,
-        adv: torch.Tensor,
-        ref_logps: torch.Tensor | None,
-        idx: torch.Tensor,
-        num_items: float,
-        record: bool = True,
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Loss and metrics of the rows idx, with columns that are padding in all of them cut.
+def _micro_loss(
+    engine: Any, g: GRPOConfig, ro: Rollout, loss_mask: torch.Tensor, adv: torch.Tensor,
+    ref_logps: torch.Tensor | None, idx: torch.Tensor, num_items: float,
+    state: _PassState | None, first_pass: bool = False,
+) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
+    """Loss and metrics of the rows idx, with columns that are padding in all of them cut.
 
-        The completion mask is the attention mask; loss_mask (the completion mask, without
-        truncated completions when those are masked) selects the tokens of the loss."""
-        g = self.g
-        attn = ro.completion_mask[idx]
-        pmask = ro.prompt_mask[idx]
-        # causal attention: trailing completion padding never affects earlier positions, and
-        # positions count real tokens, so leading prompt padding can go too
-        c = int(attn.sum(1).max())
-        p0 = int((pmask.sum(0) > 0).long().argmax())
-        attn, pmask, cids = attn[:, :c], pmask[:, p0:], ro.completion_ids[idx, :c]
-        mask = loss_mask[idx, :c]
-        logits = completion_logits(self.engine, ro.prompt_ids[idx, p0:], pmask, cids, attn)
-        logps = token_logprobs(logits, cids, g.temperature)  # [mb, c]
-        if self.pass_ == 0 and record:
-            self._record_gap(logps.detach(), ro.sampling_logps[idx, :c], mask)
-            if g.old_logprobs == "recompute" and g.mu > 1:
-                self.old[idx, :c] = logps.detach()
-        # mu = 1: pi_old is the current policy exactly (rho = 1, the gradient is the PG)
-        old = self.old[idx, :c] if g.mu > 1 else logps.detach()
-        loss, m = policy_loss(
-            logps, old, adv[idx, :c], mask,
-            ref_logps=None if ref_logps is None else ref_logps[idx, :c],
-            loss_type=g.loss_type, eps_low=g.eps_low, eps_high=g.eps_high, beta=g.beta,
-            importance_level=g.importance_level, max_completion_length=g.max_completion_length,
-            num_items=num_items if g.loss_type == "dapo" else None,
-        )  # fmt: skip
-        with torch.no_grad():
-            ent = token_entropy(logits.detach(), g.temperature)
-            m["_w"] = float(mask.sum())
-            m["entropy"] = float((ent * mask).sum()) / max(m["_w"], 1.0)
-        return loss, m
+    The completion mask is the attention mask; loss_mask (the completion mask, without
+    truncated completions when those are masked) selects the tokens of the loss. state None:
+    a zero-gradient stand-in, which records nothing and uses pi_theta as pi_old."""
+    attn = ro.completion_mask[idx]
+    pmask = ro.prompt_mask[idx]
+    # causal attention: trailing completion padding never affects earlier positions, and
+    # positions count real tokens, so leading prompt padding can go too
+    c = int(attn.sum(1).max())
+    p0 = int((pmask.sum(0) > 0).long().argmax())
+    attn, pmask, cids = attn[:, :c], pmask[:, p0:], ro.completion_ids[idx, :c]
+    mask = loss_mask[idx, :c]
+    logits = completion_logits(engine, ro.prompt_ids[idx, p0:], pmask, cids, attn)
+    logps = token_logprobs(logits, cids, g.temperature)  # [mb, c]
+    if state is not None and first_pass:
+        state.gap.add(logps.detach(), ro.sampling_logps[idx, :c], mask)
+        if g.old_logprobs == "recompute" and g.mu > 1:
+            state.old[idx, :c] = logps.detach()
+    # mu = 1: pi_old is the current policy exactly (rho = 1, the gradient is the PG)
+    old = state.old[idx, :c] if g.mu > 1 and state is not None else logps.detach()
+    # the entropy bonus needs the entropy's gradient; otherwise it is a metric only
+    entropy = token_entropy(logits, g.temperature) if g.uses_entropy_bonus else None
+    loss, m = policy_loss(
+        logps, old, adv[idx, :c], mask,
+        ref_logps=None if ref_logps is None else ref_logps[idx, :c], beta=g.beta,
+        entropy=entropy, entropy_coef=g.entropy_coef,
+        loss_type=g.loss_type, objective=g.policy_objective, params=g.objective_params(),
+        importance_level=g.importance_level, max_completion_length=g.max_completion_length,
+        num_items=num_items if LOSS_AGGREGATIONS[g.loss_type].global_normaliser else None,
+    )  # fmt: skip
+    with torch.no_grad():
+        ent = (
+            entropy.detach()
+            if entropy is not None
+            else token_entropy(logits.detach(), g.temperature)
+        )
+        m["_w"] = float(mask.sum())
+        m["entropy"] = float((ent * mask).sum()) / max(m["_w"], 1.0)
+    return loss, m
 
-    def _record_gap(self, trainer: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor) -> None:
-        """Sampler vs training-forward log-probs of the same tokens under the same weights: the
-        rollout/trainer mismatch (numerics, kernels, dtype) that TRL and verl users watch."""
-        d = (trainer - sampler).abs() * mask
-        self.gap[0] += float(d.sum())
-        self.gap[1] += float(mask.sum())
-        self.gap[2] = max(self.gap[2], float(d.max()) if d.numel() else 0.0)
 
-    def _local_grad_norm(self) -> float:
-        norms = [
-            p.grad.detach().float().norm() for p in self.engine.parameters() if p.grad is not None
-        ]
-        return float(torch.stack(norms).norm()) if norms else 0.0
+def _local_grad_norm(engine: Any) -> float:
+    norms = [p.grad.detach().float().norm() for p in engine.parameters() if p.grad is not None]
+    return float(torch.stack(norms).norm()) if norms else 0.0

@@ -12,7 +12,7 @@ import struct
 import tempfile
 from pathlib import Path
 
-from grpo.config import Config
+from grpo.config import Config, prompts_split_error
 
 
 class PreflightError(ValueError):
@@ -125,11 +125,9 @@ def check_world_size(cfg: Config) -> None:
     if not cfg.deepspeed.hostfile:
         return
     world = hostfile_world_size(cfg.deepspeed.hostfile)
-    if cfg.grpo.prompts_per_step % world:
-        raise PreflightError(
-            f"grpo.prompts_per_step ({cfg.grpo.prompts_per_step}) must be divisible by the "
-            f"{world} ranks of {cfg.deepspeed.hostfile}"
-        )
+    ranks = f"the ranks of {cfg.deepspeed.hostfile}"
+    if error := prompts_split_error(cfg.grpo.prompts_per_step, world, ranks):
+        raise PreflightError(error)
 
 
 def preflight(cfg: Config, *, model_dirs: list[str | Path] = (), train: bool = True) -> None:

@@ -133,11 +133,15 @@ def run_grpo(
     resume: bool = False,
     log: Callable[[str], None] = print,
     env: dict[str, str] | None = None,
+    pace_file: Path | None = None,
 ) -> dict[str, Any]:
-    """GRPO from policy_dir into out_dir (policy/, checkpoints/, metrics.jsonl)."""
+    """GRPO from policy_dir into out_dir (policy/, checkpoints/, metrics.jsonl); with
+    pace_file, rank 0 writes its progress there after every step (for a control)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg_path = write_config(cfg, out_dir / "config.yaml")
     args = ["--policy", str(policy_dir), "--out", str(out_dir)] + (["--resume"] if resume else [])
+    if pace_file is not None:
+        args += ["--pace-file", str(pace_file)]
     run_subprocess(
         launcher_command(cfg, "train", cfg_path, *args)
         if _distributed(cfg)
@@ -167,7 +171,7 @@ def run_control(
     env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """The SFT control: the reference trained on for `seconds`, or until the GRPO run whose
-    progress file is `follow` is done. Its weights go to out_dir."""
+    pace file is `follow` is done. Its weights go to out_dir."""
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg_path = write_config(cfg, out_dir.with_name(out_dir.name + "_config.yaml"))
     args = ["--policy", str(reference), "--out", str(out_dir)]

@@ -53,7 +53,8 @@ def _main(argv: list[str] | None) -> None:
     p.add_argument("--out")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--seconds", type=float, help="control: its budget in seconds")
-    p.add_argument("--follow", help="control: the progress file of the GRPO run it follows")
+    p.add_argument("--follow", help="control: the pace file of the GRPO run it follows")
+    p.add_argument("--pace-file", help="train: write progress here after every step")
     p.add_argument("--local_rank", type=int, default=None)  # passed by older launchers
     a = p.parse_args(argv)
 
@@ -83,8 +84,15 @@ def _main(argv: list[str] | None) -> None:
             Path(a.out, "control_summary.json").write_text(json.dumps(summary, indent=2))
     else:
         from grpo.engine.loop import train_grpo
+        from grpo.engine.pace import write_pace
 
-        summary = train_grpo(cfg, a.policy, a.out, resume=a.resume)
+        on_step = None
+        if a.pace_file:  # a control beside this run paces itself by it
+
+            def on_step(done: int, total: int, finished: bool) -> None:
+                write_pace(Path(a.pace_file), done, total, done=finished)
+
+        summary = train_grpo(cfg, a.policy, a.out, resume=a.resume, on_step=on_step)
         if rank == 0:
             Path(a.out, "train_summary.json").write_text(json.dumps(summary, indent=2))
 

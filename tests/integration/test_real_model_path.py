@@ -128,7 +128,7 @@ def test_truncated_completions_can_be_masked_out_of_the_loss(tmp_path):
         ro = fixed_rollout(t.tok, ["<answer>46</answer>", "<answer>4</answer>"])
         ro.truncated[0] = True  # only the completion with a non-zero advantage
         before = [p.detach().clone() for p in t.engine.module.parameters()]
-        t.policy_update.update(ro, per_token(torch.tensor([1.0, 0.0]), ro), None)
+        t.update(ro, per_token(torch.tensor([1.0, 0.0]), ro), None)
         after = t.engine.module.parameters()
         changed[masked] = any(not torch.equal(a, b) for a, b in zip(before, after))
     assert changed == {True: False, False: True}

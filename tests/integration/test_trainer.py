@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from grpo.engine.update import metric_keys, trained_rows
 from grpo.launch.paths import base_model_dir
 from grpo.models.generate import Rollout
 from tests.helpers import fixed_rollout, per_token, small_config
@@ -29,11 +30,11 @@ def test_one_grpo_update_raises_the_rewarded_completion(tmp_path):
     cfg = small_config(tmp_path, "grpo.lr=0.01", "grpo.warmup_steps=0", "grpo.lr_schedule=constant")
     t = Trainer(cfg, base_model_dir(cfg), tmp_path / "grpo")
     assert t.reference is None  # beta = 0: the reference model is never loaded
-    assert "kl" not in t.policy_update.metric_keys
+    assert "kl" not in metric_keys(cfg.grpo)
     ro = fixed_rollout(t.tok, ["<think>4+2=6</think><answer>46</answer>", "<answer>99</answer>"])
     before = [p.detach().clone() for p in t.engine.module.parameters()]
     lp_good, lp_bad = _seq_logp(t, ro, 0), _seq_logp(t, ro, 1)
-    m = t.policy_update.update(ro, per_token(torch.tensor([1.0, -1.0]), ro), None)
+    m = t.update(ro, per_token(torch.tensor([1.0, -1.0]), ro), None)
     after = list(t.engine.module.parameters())
     assert any(not torch.equal(a, b) for a, b in zip(before, after))
     assert _seq_logp(t, ro, 0) > lp_good
@@ -46,12 +47,12 @@ def test_beta_positive_loads_a_frozen_reference(tmp_path):
 
     cfg = small_config(tmp_path, "grpo.beta=0.04")
     t = Trainer(cfg, base_model_dir(cfg), tmp_path / "grpo")
-    assert t.reference is not None and "kl" in t.policy_update.metric_keys
+    assert t.reference is not None and "kl" in metric_keys(cfg.grpo)
     assert not any(p.requires_grad for p in t.reference.model.parameters())
     # the KL of the policy to itself (the reference is the starting policy) is exactly 0
     ro = fixed_rollout(t.tok, ["<answer>46</answer>", "<answer>4</answer>"])
     ref_logps = t.reference.logps(ro, micro=2)
-    m = t.policy_update.update(ro, per_token(torch.tensor([1.0, -1.0]), ro), ref_logps)
+    m = t.update(ro, per_token(torch.tensor([1.0, -1.0]), ro), ref_logps)
     assert m["kl"] == pytest.approx(0.0, abs=1e-6)
 
 
@@ -124,15 +125,14 @@ def test_skipping_zero_advantage_rows_gives_the_same_update(tmp_path):
         )  # fmt: skip
         t = Trainer(cfg, base_model_dir(cfg), tmp_path / str(skip) / "grpo")
         ro = fixed_rollout(t.tok, texts)
-        up = t.policy_update
-        assert up.trained_rows(per_token(adv, ro), ro.completion_mask).tolist() == (
+        assert trained_rows(cfg.grpo, per_token(adv, ro), ro.completion_mask).tolist() == (
             [0, 2, 5] if skip else list(range(6))
         )
         # a NaN advantage is trained on, so that its non-finite loss is seen and handled
         nan_adv = torch.tensor([[float("nan")], [0.0], [1.0]])
         ones = torch.ones(3, 1)
-        assert up.trained_rows(nan_adv, ones).tolist() == ([0, 2] if skip else [0, 1, 2])
-        up.update(ro, per_token(adv, ro), None)
+        assert trained_rows(cfg.grpo, nan_adv, ones).tolist() == ([0, 2] if skip else [0, 1, 2])
+        t.update(ro, per_token(adv, ro), None)
         weights[skip] = [p.detach().clone() for p in t.engine.module.parameters()]
     for a, b in zip(weights[True], weights[False], strict=True):
         # float noise only: the two runs batch the rows differently (different matmul shapes)
@@ -176,12 +176,12 @@ def test_the_control_follows_the_grpo_run_it_runs_beside(tmp_path):
 
     from grpo.data.sets import training_sets
     from grpo.engine.loop import Trainer
-    from grpo.engine.pace import mark_done, read_progress, write_progress
+    from grpo.engine.pace import mark_done, read_pace, write_pace
     from grpo.engine.sft import train_sft
 
     cfg = small_config(tmp_path, "sft.warmup_steps=0", "sft.eval_every=1000")
     sets = training_sets(cfg)
-    pace = tmp_path / "progress.json"
+    pace = tmp_path / "pace.json"
     mark_done(pace)
     done = train_sft(cfg, base_model_dir(cfg), tmp_path / "c1", sets, follow=pace,
                      early_stop=False, progress=False)  # fmt: skip
@@ -191,7 +191,7 @@ def test_the_control_follows_the_grpo_run_it_runs_beside(tmp_path):
                      early_stop=False, progress=False)  # fmt: skip
     assert zero["steps"] == 1
 
-    write_progress(pace, 1, 2)  # half way: cos(pi / 2) -> half the learning rate
+    write_pace(pace, 1, 2)  # half way: cos(pi / 2) -> half the learning rate
     timer = threading.Timer(3.0, mark_done, [pace])
     timer.start()
     out = train_sft(cfg, base_model_dir(cfg), tmp_path / "c2", sets, follow=pace,
@@ -200,10 +200,12 @@ def test_the_control_follows_the_grpo_run_it_runs_beside(tmp_path):
     seen = [json.loads(x) for x in (tmp_path / "c2_metrics.jsonl").open()]
     assert out["steps"] > 1 and len(seen) == 1  # one validation: the final one, when stopped
     assert seen[0]["lr"] == pytest.approx(cfg.sft.lr * 0.5)
-    assert read_progress(pace) == (0.5, True)
+    assert read_pace(pace) == (0.5, True)
 
-    Trainer(cfg, base_model_dir(cfg), tmp_path / "grpo").train(progress=False)
-    assert read_progress(tmp_path / "grpo" / "progress.json") == (1.0, True)
+    pace_file = tmp_path / "grpo" / "pace.json"
+    on_step = lambda done, total, finished: write_pace(pace_file, done, total, finished)  # noqa: E731
+    Trainer(cfg, base_model_dir(cfg), tmp_path / "grpo").train(progress=False, on_step=on_step)
+    assert read_pace(pace_file) == (1.0, True)
 
 
 def test_the_sequential_control_runs_its_seconds_in_a_worker_process(tmp_path):

@@ -152,7 +152,7 @@ def test_a_hostfile_whose_ranks_do_not_split_the_prompts_is_refused(tmp_path):
     hosts.write_text("# two nodes\nnode-0 slots=2\nnode-1 slots=1\n")
     assert hostfile_world_size(hosts) == 3
     cfg = load_config(None, [f"deepspeed.hostfile={hosts}"])  # 32 prompts over 3 ranks
-    with pytest.raises(PreflightError, match=r"\(32\) must be divisible by the 3 ranks"):
+    with pytest.raises(PreflightError, match=r"\(32\) must be divisible by the ranks of .*\(3\)"):
         check_world_size(cfg)
     hosts.write_text("node-0 slots=4\nnode-1 slots=4\n")
     check_world_size(cfg)  # 8 ranks: 4 prompts each

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from grpo.algo import k3_kl, policy_loss, token_entropy, token_logprobs
+from grpo.algo.loss import ObjectiveParams
 
 MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
 ZERO = torch.zeros(2, 3)
@@ -30,7 +31,12 @@ def test_clipping_high_side_for_positive_advantage():
     logps = torch.tensor([[math.log(1.5), 0.0]])
     mask = torch.ones(1, 2)
     loss, m = policy_loss(
-        logps, torch.zeros(1, 2), torch.tensor([1.0]), mask, loss_type="bnpo", eps_high=0.2
+        logps,
+        torch.zeros(1, 2),
+        torch.tensor([1.0]),
+        mask,
+        loss_type="bnpo",
+        params=ObjectiveParams(eps_high=0.2),
     )
     # token 0: min(1.5, 1.2) = 1.2; token 1: 1.0 -> loss = -(1.2 + 1.0) / 2
     assert loss.item() == pytest.approx(-1.1)
@@ -39,7 +45,12 @@ def test_clipping_high_side_for_positive_advantage():
     assert m["ratio_mean"] == pytest.approx(1.25)
     # clip-higher: eps_high 0.6 leaves 1.5 unclipped
     loss, m = policy_loss(
-        logps, torch.zeros(1, 2), torch.tensor([1.0]), mask, loss_type="bnpo", eps_high=0.6
+        logps,
+        torch.zeros(1, 2),
+        torch.tensor([1.0]),
+        mask,
+        loss_type="bnpo",
+        params=ObjectiveParams(eps_high=0.6),
     )
     assert loss.item() == pytest.approx(-1.25)
     assert m["clip_ratio/high_mean"] == 0.0
@@ -87,8 +98,7 @@ def test_gspo_sequence_ratio_is_geometric_mean():
         torch.tensor([1.0]),
         mask,
         importance_level="sequence",
-        eps_low=0.5,
-        eps_high=0.5,
+        params=ObjectiveParams(eps_low=0.5, eps_high=0.5),
         loss_type="bnpo",
     )
     s = math.sqrt(1.1 * 1.5)
@@ -199,7 +209,7 @@ def test_log_ratio_and_k3_are_clamped_and_the_share_is_reported():
     ref = torch.tensor([[-1.0, -1.0, -1.0, -40.0]])
     mask = torch.ones(1, 4)
     loss, m = policy_loss(logps, old, torch.tensor([1.0]), mask, ref_logps=ref, beta=0.1,
-                          eps_high=1e9)  # fmt: skip
+                          params=ObjectiveParams(eps_high=1e9))  # fmt: skip
     assert torch.isfinite(loss)
     assert m["clamp/log_ratio_frac"] == pytest.approx(1 / 4)  # token 0: +30 > 20
     # k3 of token 1: d = ref - logp = 29, clamped to 20, exp(20) - 21 > 10: clamped to 10

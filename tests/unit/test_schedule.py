@@ -29,8 +29,8 @@ def test_plateau_cuts_the_rate_then_stops_by_hand():
     assert [p.report(v) for v in (1.0, 0.99995)] == [False, True]
 
 
-def test_progress_cosine_follows_any_progress_and_reads_it_every_step():
-    from grpo.engine.schedules import progress_cosine
+def test_paced_cosine_follows_any_progress_and_reads_it_every_step():
+    from grpo.engine.schedules import paced_cosine
 
     reads = []
     state = {"p": 0.0}
@@ -39,7 +39,7 @@ def test_progress_cosine_follows_any_progress_and_reads_it_every_step():
         reads.append(state["p"])
         return state["p"]
 
-    f = progress_cosine(2, progress)
+    f = paced_cosine(2, progress)
     assert f(0) == 0.5 and f(1) == 1.0  # warmup by steps
     state["p"] = 0.5
     assert f(7) == pytest.approx(0.5)
@@ -48,15 +48,15 @@ def test_progress_cosine_follows_any_progress_and_reads_it_every_step():
     assert len(reads) == 4  # read during warmup too (a wall clock starts at the first step)
 
 
-def test_progress_file_round_trip(tmp_path):
-    from grpo.engine.pace import mark_done, read_progress, write_progress
+def test_pace_file_round_trip(tmp_path):
+    from grpo.engine.pace import mark_done, read_pace, write_pace
 
-    path = tmp_path / "progress.json"
-    assert read_progress(path) == (0.0, False)  # the followed run has not begun
-    write_progress(path, 3, 12)
-    assert read_progress(path) == (0.25, False)
+    path = tmp_path / "pace.json"
+    assert read_pace(path) == (0.0, False)  # the followed run has not begun
+    write_pace(path, 3, 12)
+    assert read_pace(path) == (0.25, False)
     mark_done(path)  # keeps where it got to
-    assert read_progress(path) == (0.25, True)
-    other = tmp_path / "sub" / "progress.json"
+    assert read_pace(path) == (0.25, True)
+    other = tmp_path / "sub" / "pace.json"
     mark_done(other)  # a run that failed before writing anything
-    assert read_progress(other) == (0.0, True)
+    assert read_pace(other) == (0.0, True)

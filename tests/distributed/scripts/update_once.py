@@ -32,7 +32,7 @@ def main() -> None:
     ro = fixed_rollout(t.tok, texts, group_size=n)  # each rank's share is whole groups
     mine = torch.arange(t.rank * n, (t.rank + 1) * n)
     share = ro.select(mine)
-    t.policy_update.update(share, per_token(adv[mine], share), None)
+    t.update(share, per_token(adv[mine], share), None)
     save_policy(t.engine, t.tok, Path(out) / "policy", t.rank, cfg.deepspeed.zero_stage)
 
 
