@@ -51,7 +51,7 @@ def _step_stats(run: Path) -> list[tuple[int, float, float]]:
 def main() -> None:
     from grpo.config import load_config
     from grpo.data.sets import training_sets
-    from grpo.engine.sft import train_sft
+    from grpo.engine.sft import train_control
     from grpo.eval.run import evaluate_model
     from grpo.launch.runner import run_grpo
 
@@ -99,8 +99,9 @@ def main() -> None:
         ctl = out / "sft_continued"
         if not (ctl / "config.json").exists():  # reused on a rerun, like the variants
             cfg = baseline["cfg"]
-            train_sft(cfg, a.reference, ctl, training_sets(cfg), max_seconds=baseline["seconds"],
-                      early_stop=False, progress=False)  # fmt: skip
+            train_control(
+                cfg, a.reference, ctl, training_sets(cfg), max_seconds=baseline["seconds"]
+            )
         evaluate_model(baseline["cfg"], str(ctl), SETS, str(out / "sft_continued_eval"),
                        progress=False)  # fmt: skip
         mine = {s: _samples(out / "sft_continued_eval" / "samples.jsonl", s) for s in SETS}

@@ -43,7 +43,7 @@ def main() -> None:
         """(rollout, advantages) of one step: sampling and scoring, then the advantages."""
         sampled = sample_step(t.engine.module, t.tok, cfg, t.train_rows, t.scorer, step=step,
                               rank=0, world=1, device=t.device, eos_ids=t.eos_ids)  # fmt: skip
-        ro, scores, texts, rows = keep_groups(sampled, t.local_prompts)
+        ro, scores, texts, rows = keep_groups(sampled, t.local_prompts, cfg.grpo)
         return ro, token_advantages(cfg.grpo, ro, scores.rewards, rows, texts, t.tok)
 
     for step in range(3):

@@ -48,11 +48,10 @@ def main() -> None:
             res[f"{s}_diff"] = [round(d["diff"], 4), round(d["ci_low"], 4), round(d["ci_high"], 4)]
         if a.control:
             from grpo.data.sets import training_sets
-            from grpo.engine.sft import train_sft
+            from grpo.engine.sft import train_control
 
             ctl = out / f"v{i}_control"
-            train_sft(cfg, a.reference, ctl, training_sets(cfg), max_seconds=secs,
-                      early_stop=False, progress=False)  # fmt: skip
+            train_control(cfg, a.reference, ctl, training_sets(cfg), max_seconds=secs)  # fmt: skip
             crep = evaluate_model(cfg, str(ctl), ["synthetic"], str(ctl) + "_eval", progress=False)
             res["control_synthetic"] = round(crep["sets"]["synthetic"]["accuracy"], 4)
         curve = [json.loads(x) for x in (out / f"v{i}" / "metrics.jsonl").open()]

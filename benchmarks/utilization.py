@@ -113,7 +113,7 @@ def main() -> None:
     def sample(step: int):  # noqa: ANN202
         sampled = sample_step(t.engine.module, t.tok, cfg, t.train_rows, t.scorer, step=step,
                               rank=0, world=1, device=t.device, eos_ids=t.eos_ids)  # fmt: skip
-        ro, scores, texts, rows = keep_groups(sampled, t.local_prompts)
+        ro, scores, texts, rows = keep_groups(sampled, t.local_prompts, cfg.grpo)
         return ro, token_advantages(cfg.grpo, ro, scores.rewards, rows, texts, t.tok)
 
     t.update(*sample(0), None)  # warm-up

@@ -108,6 +108,23 @@ def zero_std_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return r.max(dim=1).values == r.min(dim=1).values
 
 
+def process_flat_groups(step_rewards: Sequence[Sequence[float]], group_size: int) -> torch.Tensor:
+    """Boolean [P]: True where a group's step rewards are all equal (or it has no steps), so
+    process_advantages gives all its tokens 0.
+
+    >>> process_flat_groups([[1.0, 0.0], [1.0], [1.0], []], 2)
+    tensor([False,  True])
+    """
+    n = len(step_rewards)
+    if group_size < 1 or n % group_size != 0:
+        raise ValueError(f"group_size: {group_size} does not divide {n} completions")
+    flat = []
+    for g0 in range(0, n, group_size):
+        pooled = [r for i in range(g0, g0 + group_size) for r in step_rewards[i]]
+        flat.append(all(r == pooled[0] for r in pooled))
+    return torch.tensor(flat, dtype=torch.bool)
+
+
 def process_advantages(
     step_rewards: Sequence[Sequence[float]],
     step_ends: Sequence[Sequence[int]],

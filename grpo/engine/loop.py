@@ -125,9 +125,9 @@ class Trainer:
         )  # fmt: skip
         t1 = time.time()
         # dynamic sampling keeps informative groups first
-        ro, scores, texts, rows = keep_groups(sampled, self.local_prompts)
+        ro, scores, texts, completion_rows = keep_groups(sampled, self.local_prompts, g)
         # 3. advantages, one per completion token [N, C]
-        adv = token_advantages(g, ro, scores.rewards, rows, texts, self.tok)
+        adv = token_advantages(g, ro, scores.rewards, completion_rows, texts, self.tok)
         t2 = time.time()
         ref_logps = self.reference.logps(ro, self.micro) if self.reference else None
         t3 = time.time()
@@ -150,7 +150,7 @@ class Trainer:
             "completions_per_second": n_sampled / max(t4 - t0, 1e-9),
         })  # fmt: skip
         if step % g.log_completions_every == 0:
-            self.files.log_completions(step + 1, rows, texts, scores, ro.group_size)
+            self.files.log_completions(step + 1, completion_rows, texts, scores, ro.group_size)
         return m
 
     def update(

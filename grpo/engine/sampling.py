@@ -16,12 +16,11 @@ from typing import Any
 
 import torch
 
-from grpo.algo.advantages import zero_std_groups
-from grpo.config import Config
+from grpo.config import Config, GRPOConfig
 from grpo.data.order import derived_seed, prompt_indices
 from grpo.engine.deepspeed_setup import gathered
 from grpo.engine.distributed import all_reduce_sum
-from grpo.engine.scoring import Scores
+from grpo.engine.scoring import Scores, flat_groups
 from grpo.models.generate import Rollout, generate
 from grpo.models.prompts import encode_prompts
 
@@ -85,7 +84,7 @@ def sample_step(
         kept_rows.extend(rows)
         texts.extend(round_texts)
         scores.append(sc)
-        informative += int((~zero_std_groups(sc.rewards, ro.group_size)).sum())
+        informative += int((~flat_groups(g, sc.rewards, round_texts, rows, ro.group_size)).sum())
         if rnd + 1 == rounds or not _needs_more(informative < local, world, device):
             break
         rows = rng.sample(train_rows, local)
@@ -123,13 +122,16 @@ def cat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
     )
 
 
-def keep_groups(s: Sampled, num_prompts: int) -> tuple[Rollout, Scores, list[str], list[dict]]:
+def keep_groups(
+    s: Sampled, num_prompts: int, g: GRPOConfig
+) -> tuple[Rollout, Scores, list[str], list[dict]]:
     """The step's batch of `num_prompts` groups (all of them without dynamic sampling), with
-    each completion's prompt row: (rollout, scores, texts, rows)."""
+    each completion's prompt row: (rollout, scores, texts, completion_rows)."""
     ro, G = s.rollout, s.rollout.group_size
     keep = torch.arange(ro.completion_ids.shape[0])
     if ro.num_groups > num_prompts:
-        keep = select_groups(zero_std_groups(s.scores.rewards, G), G, num_prompts)
+        flat = flat_groups(g, s.scores.rewards, s.texts, s.group_rows, G)
+        keep = select_groups(flat, G, num_prompts)
     idx = keep.tolist()
     return (
         ro.select(keep),

@@ -49,19 +49,24 @@ class PlateauLR:
     [False, False, True]
     """
 
-    def __init__(self, warmup: int, patience: int, cuts: int, factor: float) -> None:
+    def __init__(
+        self, warmup: int, patience: int, cuts: int, factor: float, min_delta: float = 1e-4
+    ) -> None:
         self.warmup, self.patience, self.cuts, self.factor = warmup, patience, cuts, factor
+        self.min_delta = min_delta  # a smaller gain is noise, not an improvement
         self.scale, self.cuts_made, self.bad = 1.0, 0, 0
         self.best = math.inf
+        self.improved = False  # whether the last reported loss was a new best
 
     def __call__(self, step: int) -> float:
         """The LambdaLR multiplier at optimizer step `step`."""
         warm = (step + 1) / self.warmup if self.warmup and step < self.warmup else 1.0
         return warm * self.scale
 
-    def report(self, val_loss: float, min_delta: float = 1e-4) -> bool:
+    def report(self, val_loss: float) -> bool:
         """Record one validation loss; True when training should stop."""
-        if val_loss < self.best - min_delta:
+        self.improved = val_loss < self.best - self.min_delta
+        if self.improved:
             self.best, self.bad = val_loss, 0
             return False
         self.bad += 1

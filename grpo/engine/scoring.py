@@ -13,7 +13,13 @@ from typing import Any
 import torch
 from transformers import TrainerState
 
-from grpo.algo.advantages import PROCESS, group_advantages, process_advantages
+from grpo.algo.advantages import (
+    PROCESS,
+    group_advantages,
+    process_advantages,
+    process_flat_groups,
+    zero_std_groups,
+)
 from grpo.config import Config, GRPOConfig
 from grpo.models.generate import Rollout
 from grpo.models.offsets import char_to_token, token_char_ends
@@ -73,12 +79,12 @@ class RewardScorer:
             )
         self.metrics: dict[str, list[float]] = {}  # log_metric calls since the last take_metrics
 
-    def __call__(self, ro: Rollout, rows: list[dict], texts: list[str], step: int) -> Scores:
-        """Score the completions `texts` of the prompts `rows` (one row per group)."""
+    def __call__(self, ro: Rollout, group_rows: list[dict], texts: list[str], step: int) -> Scores:
+        """Score the completions `texts` of the prompts `group_rows` (one row per group)."""
         G, conversational = ro.group_size, self.cfg.model.chat_template
         columns: dict[str, list[Any]] = {
-            k: [r.get(k) for r in rows for _ in range(G)]
-            for k in rows[0]
+            k: [r.get(k) for r in group_rows for _ in range(G)]
+            for k in group_rows[0]
             if k not in HIDDEN_COLUMNS
         }
         problems = columns["prompt"]
@@ -124,9 +130,7 @@ def token_advantages(
     if g.advantage_mode != PROCESS:
         adv = group_advantages(rewards, ro.group_size, g.advantage_mode)  # [N]
         return adv.unsqueeze(1).expand(n, c)
-    steps = PROCESS_REWARDS[g.process_reward](
-        completions=texts, prompt=[r["prompt"] for r in rows], answer=[r["answer"] for r in rows]
-    )
+    steps = _process_steps(g, texts, rows)
     step_rewards = [r for r, _ in steps]
     step_ends = [
         step_token_ends(tok, ro.completion_ids[i], int(ro.lengths[i]), char_ends)
@@ -140,10 +144,40 @@ def token_advantages(
     return adv
 
 
-def step_token_ends(tok: Any, ids: torch.Tensor, length: int, char_ends: list[int]) -> list[int]:
-    """The token index at which each step's last character is complete.
+def flat_groups(
+    g: GRPOConfig, rewards: torch.Tensor, texts: list[str], group_rows: list[dict], group_size: int
+) -> torch.Tensor:
+    """Boolean [P]: True where a group has no learning signal, by the advantages the step will
+    use (dynamic sampling keeps the others first). Outcome mode: its rewards are all equal.
+    Process mode: its step rewards are all equal, and, when the outcome advantage is added
+    (process_outcome_weight > 0), its outcome rewards too. group_rows: one row per group."""
+    outcome = zero_std_groups(rewards, group_size)
+    if g.advantage_mode != PROCESS:
+        return outcome
+    rows = [r for r in group_rows for _ in range(group_size)]
+    process = process_flat_groups([r for r, _ in _process_steps(g, texts, rows)], group_size)
+    return process & outcome if g.process_outcome_weight else process
 
-    ids: [C] one completion; length: its real tokens (EOS included).
+
+def _process_steps(g: GRPOConfig, texts: list[str], rows: list[dict]) -> list:
+    """The process reward's (step rewards, step end characters) per completion; rows: one per
+    completion."""
+    return PROCESS_REWARDS[g.process_reward](
+        completions=texts, prompt=[r["prompt"] for r in rows], answer=[r["answer"] for r in rows]
+    )
+
+
+def step_token_ends(tok: Any, ids: torch.Tensor, length: int, char_ends: list[int]) -> list[int]:
+    """The token index at which each step's last character is complete; the last step runs to
+    the completion's last token.
+
+    The text after the last reasoning step (the answer, and EOS) belongs to that step, as the
+    final step of DeepSeekMath's process supervision ends with the answer: otherwise the answer
+    and stopping would get advantage 0 with process_outcome_weight 0, and stopping would never
+    be reinforced. ids: [C] one completion; length: its real tokens (EOS included).
     """
     ends = token_char_ends(tok, ids[:length].tolist())
-    return [max(char_to_token(ends, e), 0) for e in char_ends]
+    out = [max(char_to_token(ends, e), 0) for e in char_ends]
+    if out:
+        out[-1] = max(length - 1, 0)
+    return out

@@ -14,6 +14,7 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +90,6 @@ class _Budget:
         if seconds is not None and follow is not None:
             raise ValueError("give the control a budget in seconds or a run to follow, not both")
         self.seconds, self.follow = seconds, follow
-        self.limited = seconds is not None or follow is not None
         self.t0: float | None = None
         self.done = False
 
@@ -111,21 +111,47 @@ class _Budget:
         return self.seconds is not None and self.fraction() >= 1.0
 
 
-def train_sft(
-    cfg: Config,
-    base_dir: str | Path,
-    out_dir: str | Path,
-    sets: dict[str, list[dict]],
-    *,
-    max_seconds: float | None = None,
-    follow: Path | None = None,
-    early_stop: bool = True,
-    progress: bool = True,
-) -> dict[str, Any]:
-    """Fine-tune base_dir on sets['sft'], early-stopped on sets['sft_val']; save to out_dir.
+# validation batches: the whole validation set at once fits any machine this runs on, and
+# the batch only changes speed, not the loss
+VAL_BATCH = 256
 
-    With max_seconds or follow (the control) it trains for that budget instead, its learning
-    rate annealed over it, and keeps the last weights."""
+
+def train_reference(
+    cfg: Config, base_dir: str | Path, out_dir: str | Path, sets: dict[str, list[dict]],
+    progress: bool = True,
+) -> dict[str, Any]:  # fmt: skip
+    """The reference: fine-tune base_dir on sets['sft'] until the validation loss on
+    sets['sft_val'] plateaus after its learning-rate cuts (or max_epochs ends it); the best
+    validated weights go to out_dir. The last step is always validated, so out_dir is written
+    even by a run shorter than one validation interval."""
+    s = cfg.sft
+    plateau = PlateauLR(s.warmup_steps, s.patience, s.lr_cuts, s.lr_cut_factor)
+    epochs = range(s.max_epochs)
+    return _train(cfg, base_dir, out_dir, sets, plateau, epochs, plateau=plateau,
+                  progress=progress)  # fmt: skip
+
+
+def train_control(
+    cfg: Config, policy_dir: str | Path, out_dir: str | Path, sets: dict[str, list[dict]],
+    *, max_seconds: float | None = None, follow: Path | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """The control: SFT continued from policy_dir for GRPO's wall time, given in seconds
+    (max_seconds) or by following GRPO's pace file (follow), its learning rate annealed over
+    that budget whatever the plateaus; its last weights go to out_dir."""
+    budget = _Budget(max_seconds, follow)
+    lr_fn = paced_cosine(cfg.sft.warmup_steps, budget.fraction)
+    return _train(cfg, policy_dir, out_dir, sets, lr_fn, itertools.count(), budget=budget,
+                  progress=False)  # fmt: skip
+
+
+def _train(
+    cfg: Config, base_dir: str | Path, out_dir: str | Path, sets: dict[str, list[dict]],
+    lr_fn: Callable[[int], float], epochs: Iterable[int], *, plateau: PlateauLR | None = None,
+    budget: _Budget | None = None, progress: bool = True,
+) -> dict[str, Any]:  # fmt: skip
+    """The SFT loop both runs share. With `plateau` (the reference) a validation that is a new
+    best saves the weights and plateaus end training; with `budget` (the control) every
+    validation saves and the spent budget ends training."""
     rank, world = init_distributed(cfg.deepspeed.timeout_s)
     device = device_for(cfg)
     torch.manual_seed(cfg.seed)
@@ -137,10 +163,6 @@ def train_sft(
     train = _encode(tok, sets["sft"], cfg)
     val = _encode(tok, sets["sft_val"], cfg)[rank::world]
     steps_per_epoch = math.ceil(len(train) / s.batch_size)
-    # the reference cuts its learning rate at each plateau; the control anneals over its budget
-    plateau = PlateauLR(s.warmup_steps, s.patience, s.lr_cuts, s.lr_cut_factor)
-    budget = _Budget(max_seconds, follow)
-    lr_fn = paced_cosine(s.warmup_steps, budget.fraction) if budget.limited else plateau
     engine, _ = build_engine(
         model, cfg, micro_batch=s.batch_size // world, grad_accum=1, lr=s.lr,
         weight_decay=s.weight_decay, max_grad_norm=s.max_grad_norm, lr_fn=lr_fn,
@@ -154,9 +176,29 @@ def train_sft(
     rng = random.Random(cfg.seed)
     # no total: the plateau, not max_epochs, ends training, so a bar to the cap would mislead
     bar = progress_bar(None, "sft", "step", enabled=progress and not rank)
-    stop = False
-    # a budgeted run (the control) trains until its budget is spent, whatever max_epochs says
-    epochs = itertools.count() if budget.limited else range(s.max_epochs)
+    stop = spent = False
+    loss_sum, n = torch.zeros(()), 0
+
+    def validate() -> None:
+        nonlocal best, stop
+        vl = _val_loss(engine, val, tok.pad_token_id, device, VAL_BATCH)
+        rec = {"step": step, "train_loss": float(loss_sum.detach()) / max(n, 1), "val_loss": vl,
+               "elapsed_s": time.time() - t0, "lr": float(engine.get_lr()[0])}  # fmt: skip
+        history.append(rec)
+        if log:
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+        cuts = f"{plateau.cuts_made}/{s.lr_cuts}" if plateau else "-"
+        bar.set_postfix(val_loss=f"{vl:.4f}", best=f"{min(best, vl):.4f}", lr_cuts=cuts,
+                        refresh=False)  # fmt: skip
+        # the control keeps its last weights; the reference its best (never a smaller gain
+        # than the plateau's min_delta, which is noise)
+        if plateau is None or vl < best - plateau.min_delta:
+            save_policy(engine, tok, out_dir, rank, cfg.deepspeed.zero_stage)
+        best = min(best, vl)
+        if plateau is not None:  # the control's rate follows its budget, never the plateaus
+            stop = plateau.report(vl)
+
     for _epoch in epochs:
         order = list(range(len(train)))
         rng.shuffle(order)
@@ -168,31 +210,18 @@ def train_sft(
             engine.step()
             step += 1
             bar.update(1)
-            elapsed = time.time() - t0
-            timed_out = budget.spent()
-            if world > 1 and budget.limited:  # ranks' clocks differ: all stop at the same step
-                timed_out = all_reduce_sum([float(timed_out)], device)[0] > 0
-            if step % s.eval_every == 0 or timed_out:
-                vl = _val_loss(engine, val, tok.pad_token_id, device, 256)
-                train_loss = float(loss_sum.detach()) / max(n, 1)
-                rec = {"step": step, "train_loss": train_loss, "val_loss": vl, "elapsed_s": elapsed,
-                       "lr": float(engine.get_lr()[0])}  # fmt: skip
-                history.append(rec)
-                if log:
-                    log.write(json.dumps(rec) + "\n")
-                    log.flush()
-                cuts = f"{plateau.cuts_made}/{s.lr_cuts}"
-                bar.set_postfix(val_loss=f"{vl:.4f}", best=f"{min(best, vl):.4f}", lr_cuts=cuts,
-                                refresh=False)  # fmt: skip
-                if vl < best - 1e-4 or not early_stop:
-                    save_policy(engine, tok, out_dir, rank, cfg.deepspeed.zero_stage)
-                best = min(best, vl)
-                if early_stop:  # the control's rate follows its budget, never the plateaus
-                    stop = plateau.report(vl)
-            if stop or timed_out:
+            if budget is not None:
+                spent = budget.spent()
+                if world > 1:  # ranks' clocks differ: all stop at the same step
+                    spent = all_reduce_sum([float(spent)], device)[0] > 0
+            if step % s.eval_every == 0 or spent:
+                validate()
+            if stop or spent:
                 break
-        if stop or timed_out:
+        if stop or spent:
             break
+    if not history or history[-1]["step"] != step:
+        validate()  # max_epochs ended it between validations: the last step counts too
     bar.close()
     if log:
         log.close()
@@ -201,7 +230,7 @@ def train_sft(
         "steps": step,
         "epochs": step / steps_per_epoch,
         "early_stopped": stop,
-        "lr_cuts": plateau.cuts_made,
+        "lr_cuts": plateau.cuts_made if plateau else 0,
         "seconds": time.time() - t0,
         "history": history,
     }

@@ -119,9 +119,9 @@ def _build_reference(cfg: Config, base: Path, out: Path, log: Callable[[str], No
         run_subprocess(launcher_command(cfg, "sft", cfg_path, "--base", str(base)), log)
     else:
         from grpo.data.sets import training_sets
-        from grpo.engine.sft import train_sft
+        from grpo.engine.sft import train_reference
 
-        summary = train_sft(cfg, base, out, training_sets(cfg))
+        summary = train_reference(cfg, base, out, training_sets(cfg))
         (out / "sft_summary.json").write_text(json.dumps(summary, indent=2))
 
 

@@ -64,20 +64,20 @@ def _main(argv: list[str] | None) -> None:
     rank = int(os.environ.get("RANK", "0"))
     if a.stage == "sft":
         from grpo.data.sets import training_sets
-        from grpo.engine.sft import train_sft
+        from grpo.engine.sft import train_reference
         from grpo.launch.paths import reference_dir
 
         out = reference_dir(cfg)
-        summary = train_sft(cfg, a.base, out, training_sets(cfg), progress=rank == 0)
+        summary = train_reference(cfg, a.base, out, training_sets(cfg), progress=rank == 0)
         if rank == 0:
             (out / "sft_summary.json").write_text(json.dumps(summary, indent=2))
     elif a.stage == "control":
         from grpo.data.sets import training_sets
-        from grpo.engine.sft import train_sft
+        from grpo.engine.sft import train_control
 
-        summary = train_sft(
+        summary = train_control(
             cfg, a.policy, Path(a.out), training_sets(cfg), max_seconds=a.seconds,
-            follow=Path(a.follow) if a.follow else None, early_stop=False, progress=False,
+            follow=Path(a.follow) if a.follow else None,
         )  # fmt: skip
         if rank == 0:
             summary.pop("history")

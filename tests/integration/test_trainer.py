@@ -97,7 +97,10 @@ def test_process_advantages_map_characters_to_tokens(tmp_path):
     assert adv[0, 6].item() == pytest.approx(1.0, rel=1e-3)  # only the final-answer step
     assert adv[1, 0].item() == pytest.approx(-2.0, rel=1e-3)
     n0 = int(ro.lengths[0])
-    assert adv[0, n0:].abs().sum() == 0  # after the last step end (the EOS) nothing
+    # the last step runs to the EOS: stopping is reinforced even with no outcome term
+    assert adv[0, n0 - 1].item() == pytest.approx(1.0, rel=1e-3)
+    assert adv[1, int(ro.lengths[1]) - 1].item() == pytest.approx(-1.0, rel=1e-3)
+    assert adv[0, n0:].abs().sum() == 0  # padding after the EOS: nothing
     # plus half the outcome advantage: outcome rewards (1, 0) z-score to +1 / -1 (up to eps),
     # over each completion's own tokens only
     g = cfg.grpo.model_copy(update={"process_outcome_weight": 0.5})
@@ -147,7 +150,7 @@ def test_a_seeded_run_is_reproducible(tmp_path):
 
     from grpo.data.sets import training_sets
     from grpo.engine.loop import Trainer
-    from grpo.engine.sft import train_sft
+    from grpo.engine.sft import train_reference
     from grpo.models.loading import load_model
 
     weights, metrics = [], []
@@ -157,7 +160,7 @@ def test_a_seeded_run_is_reproducible(tmp_path):
             "grpo.dynamic_sampling=true", "grpo.mu=2", "grpo.steps=2",
         )  # fmt: skip
         ref = tmp_path / str(i) / "ref"
-        train_sft(cfg, base_model_dir(cfg), ref, training_sets(cfg), progress=False)
+        train_reference(cfg, base_model_dir(cfg), ref, training_sets(cfg), progress=False)
         Trainer(cfg, ref, tmp_path / str(i) / "grpo").train(progress=False)
         model = load_model(tmp_path / str(i) / "grpo" / "policy", trainable=False)
         weights.append([p.detach().clone() for p in model.parameters()])
@@ -177,25 +180,22 @@ def test_the_control_follows_the_grpo_run_it_runs_beside(tmp_path):
     from grpo.data.sets import training_sets
     from grpo.engine.loop import Trainer
     from grpo.engine.pace import mark_done, read_pace, write_pace
-    from grpo.engine.sft import train_sft
+    from grpo.engine.sft import train_control
 
     cfg = small_config(tmp_path, "sft.warmup_steps=0", "sft.eval_every=1000")
     sets = training_sets(cfg)
     pace = tmp_path / "pace.json"
     mark_done(pace)
-    done = train_sft(cfg, base_model_dir(cfg), tmp_path / "c1", sets, follow=pace,
-                     early_stop=False, progress=False)  # fmt: skip
+    done = train_control(cfg, base_model_dir(cfg), tmp_path / "c1", sets, follow=pace)
     assert done["steps"] == 1 and (tmp_path / "c1" / "config.json").exists()
     # a budget of 0 s (a resumed GRPO run with no steps left) is one step too, never endless
-    zero = train_sft(cfg, base_model_dir(cfg), tmp_path / "c0", sets, max_seconds=0.0,
-                     early_stop=False, progress=False)  # fmt: skip
+    zero = train_control(cfg, base_model_dir(cfg), tmp_path / "c0", sets, max_seconds=0.0)
     assert zero["steps"] == 1
 
     write_pace(pace, 1, 2)  # half way: cos(pi / 2) -> half the learning rate
     timer = threading.Timer(3.0, mark_done, [pace])
     timer.start()
-    out = train_sft(cfg, base_model_dir(cfg), tmp_path / "c2", sets, follow=pace,
-                    early_stop=False, progress=False)  # fmt: skip
+    out = train_control(cfg, base_model_dir(cfg), tmp_path / "c2", sets, follow=pace)
     timer.join()
     seen = [json.loads(x) for x in (tmp_path / "c2_metrics.jsonl").open()]
     assert out["steps"] > 1 and len(seen) == 1  # one validation: the final one, when stopped
@@ -214,14 +214,74 @@ def test_the_sequential_control_runs_its_seconds_in_a_worker_process(tmp_path):
     import json
 
     from grpo.data.sets import training_sets
-    from grpo.engine.sft import train_sft
+    from grpo.engine.sft import train_reference
     from grpo.launch.runner import run_control
 
     cfg = small_config(tmp_path, "sft.warmup_steps=0")
     ref = tmp_path / "ref"
-    train_sft(cfg, base_model_dir(cfg), ref, training_sets(cfg), progress=False)
+    train_reference(cfg, base_model_dir(cfg), ref, training_sets(cfg), progress=False)
     summary = run_control(cfg, ref, tmp_path / "ctl", seconds=3.0, log=lambda s: None)
     assert summary["steps"] > 1 and summary["seconds"] >= 3.0
     assert (tmp_path / "ctl" / "config.json").exists()
     last = [json.loads(x) for x in (tmp_path / "ctl_metrics.jsonl").open()][-1]
     assert last["step"] == summary["steps"] and last["lr"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_process_mode_judges_informative_groups_by_its_own_advantages(tmp_path):
+    """Dynamic sampling in process mode: equal outcome rewards with different steps is a
+    group to keep (weight 0); with the outcome term it takes both to be flat."""
+    from grpo.engine.scoring import flat_groups
+
+    right, slip = "<think>1+2=3</think><answer>3</answer>", "<think>1+2=4</think><answer>3</answer>"
+    texts = [right, slip, right, right]
+    rows = [{"prompt": "1+2=", "answer": "3"}] * 2  # one per group
+    equal = torch.ones(4)
+    g = small_config(tmp_path, "grpo.advantage_mode=process", "grpo.num_generations=2",
+                     "grpo.process_outcome_weight=0").grpo  # fmt: skip
+    assert flat_groups(g, equal, texts, rows, 2).tolist() == [False, True]
+    outcome = g.model_copy(update={"advantage_mode": "zscore"})
+    assert flat_groups(outcome, equal, texts, rows, 2).tolist() == [True, True]
+    both = g.model_copy(update={"process_outcome_weight": 1.0})
+    assert flat_groups(both, torch.tensor([1.0, 1.0, 1.0, 0.0]), texts, rows, 2).tolist() == [
+        False, False,
+    ]  # fmt: skip
+
+
+def test_unequal_micro_batches_give_the_one_batch_gradient(tmp_path):
+    """loss_type grpo, 6 rows in micro-batches of 4 (4 + 2): each micro-batch weighted by its
+    share of the rows, the update equals one micro-batch of 6 (up to float noise). Equal
+    weighting would count the last 2 rows twice."""
+    from grpo.engine.loop import Trainer
+
+    texts = ["<answer>46</answer>", "<answer>4</answer>", "46", "<think>9+9", "<answer>", "x"]
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
+    weights = {}
+    for micro in (6, 4):
+        cfg = small_config(
+            tmp_path / str(micro), "grpo.lr=0.01", "grpo.warmup_steps=0", "grpo.loss_type=grpo",
+            "grpo.prompts_per_step=1", "grpo.num_generations=6", f"grpo.micro_batch_size={micro}",
+        )  # fmt: skip
+        t = Trainer(cfg, base_model_dir(cfg), tmp_path / str(micro) / "grpo")
+        ro = fixed_rollout(t.tok, texts)
+        m = t.update(ro, per_token(adv, ro), None)
+        weights[micro] = ([p.detach().clone() for p in t.engine.module.parameters()], m["loss"])
+    for a, b in zip(weights[6][0], weights[4][0], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    assert weights[4][1] == pytest.approx(weights[6][1], abs=1e-5)
+
+
+def test_a_reference_shorter_than_one_validation_is_still_written(tmp_path):
+    """max_epochs ends SFT before its first validation: the last step is validated and saved."""
+    import json
+
+    from grpo.data.sets import training_sets
+    from grpo.engine.sft import train_reference
+
+    cfg = small_config(tmp_path, "sft.max_epochs=1", "sft.eval_every=1000")
+    out = train_reference(cfg, base_model_dir(cfg), tmp_path / "ref", training_sets(cfg),
+                          progress=False)  # fmt: skip
+    assert out["steps"] == 2  # 64 worked solutions in batches of 32
+    assert [h["step"] for h in out["history"]] == [2] and out["best_val_loss"] < 100
+    assert (tmp_path / "ref" / "config.json").exists()
+    logged = [json.loads(x) for x in (tmp_path / "ref_metrics.jsonl").open()]
+    assert [r["step"] for r in logged] == [2]

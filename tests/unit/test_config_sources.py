@@ -24,8 +24,8 @@ def test_function_defaults_agree_with_the_config():
         if p.default is not inspect.Parameter.empty and p.default is not None
     }  # fmt: skip
     assert loss_defaults == {
-        "loss_type": g.loss_type, "eps_low": g.eps_low, "eps_high": g.eps_high,
-        "beta": g.beta, "importance_level": g.importance_level,
+        "loss_type": g.loss_type, "objective": g.policy_objective, "params": g.objective_params(),
+        "beta": g.beta, "entropy_coef": g.entropy_coef, "importance_level": g.importance_level,
     }  # fmt: skip
     gen = inspect.signature(generate).parameters
     for k in ("temperature", "top_p", "top_k"):

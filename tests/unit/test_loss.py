@@ -218,3 +218,54 @@ def test_log_ratio_and_k3_are_clamped_and_the_share_is_reported():
     assert float(k3_kl(torch.tensor([-30.0]), torch.tensor([-1.0]))) == pytest.approx(10.0)
     loss.backward()
     assert torch.isfinite(logps.grad).all()
+
+
+def _one_token(logp: float, adv: float, **kw):
+    """loss and d loss / d logp of one token with pi_old = 1 (old log-prob 0): rho = e^logp."""
+    lp = torch.tensor([[logp]], requires_grad=True)
+    loss, m = policy_loss(lp, torch.zeros(1, 1), torch.tensor([adv]), torch.ones(1, 1), **kw)
+    loss.backward()
+    return loss.item(), lp.grad.item(), m
+
+
+def test_cispo_clips_a_detached_weight_and_keeps_the_gradient():
+    # rho 1.5, A 1: loss = -1.5 * 1 * log 1.5; gradient -1.5 (the weight is a constant)
+    loss, grad, _ = _one_token(math.log(1.5), 1.0, objective="cispo")
+    assert loss == pytest.approx(-1.5 * math.log(1.5)) and grad == pytest.approx(-1.5)
+    # capped at 1.2: gradient -1.2; PPO's clip (eps_high 0.28) gives 0 at this rho
+    capped = ObjectiveParams(cispo_max_weight=1.2)
+    assert _one_token(math.log(1.5), 1.0, objective="cispo", params=capped)[1] == pytest.approx(
+        -1.2
+    )
+    assert _one_token(math.log(1.5), 1.0)[1] == 0.0
+    # no lower bound: rho 0.5, A -1 -> weight 0.5, gradient +0.5
+    assert _one_token(math.log(0.5), -1.0, objective="cispo")[1] == pytest.approx(0.5)
+
+
+def test_sapo_is_a_soft_gate_with_the_policy_gradient_at_rho_one():
+    sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    # rho 1.5, A 1, tau 1: loss -4 sigmoid(0.5); d/d logp = rho * -4 sigmoid'(0.5)
+    loss, grad, _ = _one_token(math.log(1.5), 1.0, objective="sapo")
+    assert loss == pytest.approx(-4 * sig(0.5))
+    assert grad == pytest.approx(-1.5 * 4 * sig(0.5) * (1 - sig(0.5)))
+    # A -1 uses tau_neg 1.05: loss (4 / 1.05) sigmoid(1.05 * 0.5)
+    assert _one_token(math.log(1.5), -1.0, objective="sapo")[0] == pytest.approx(
+        4 / 1.05 * sig(0.525)
+    )
+    # at rho = 1 every objective's gradient is the policy gradient, -A
+    for obj in ("clip", "cispo", "sapo"):
+        assert _one_token(0.0, 2.0, objective=obj)[1] == pytest.approx(-2.0), obj
+
+
+def test_entropy_bonus_is_aggregated_with_the_loss():
+    ent = torch.tensor([[2.0, 1.0, 7.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    zero = torch.zeros(1, 3)
+    loss, _ = policy_loss(zero, zero, torch.zeros(1), mask, entropy=ent, entropy_coef=0.1,
+                          loss_type="bnpo")  # fmt: skip
+    assert loss.item() == pytest.approx(-0.1 * 1.5)  # minus coef x the token mean of (2, 1)
+    loss.backward()
+    assert ent.grad[0].tolist() == pytest.approx([-0.05, -0.05, 0.0])
+    # no entropy given: no term, whatever the coefficient
+    plain, _ = policy_loss(zero, zero, torch.zeros(1), mask, entropy_coef=0.1, loss_type="bnpo")
+    assert plain.item() == 0.0
