@@ -8,13 +8,6 @@ import os
 import sys
 from pathlib import Path
 
-# quiet offline operation: no telemetry, no spin-waiting threads on a shared CPU
-for _k, _v in {
-    "OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false", "DO_NOT_TRACK": "true",
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "HF_HUB_DISABLE_TELEMETRY": "1",
-}.items():  # fmt: skip
-    os.environ.setdefault(_k, _v)
-
 
 def _config(a: argparse.Namespace):  # noqa: ANN202
     from grpo.config import load_config
@@ -86,7 +79,7 @@ def cmd_evaluate(a: argparse.Namespace) -> None:
     print(markdown_table(report))
     print(f"report: {out}/report.json  samples: {out}/samples.jsonl")
     if a.baseline:
-        from grpo.eval.metrics import paired_difference
+        from grpo.eval.metrics import format_paired, paired_difference
 
         base_out = f"{out}_baseline"
         evaluate_model(cfg, a.baseline, sets, base_out, samples=samples, limit=a.limit)
@@ -97,7 +90,7 @@ def cmd_evaluate(a: argparse.Namespace) -> None:
             d = paired_difference(
                 [r for r in theirs if r["set"] == s], [r for r in mine if r["set"] == s]
             )
-            print(f"  {s:16s} {d['diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]")
+            print(f"  {s:16s} {format_paired(d)}")
     if os.environ.get("MLFLOW_RUN_ID"):  # inside an active MLflow run: log there too
         from tasks.tracking import log_evaluation
 
@@ -166,6 +159,9 @@ def main(argv: list[str] | None = None) -> None:
     sv.add_argument("--state-dir", help="servers' stores and logs (default: the project)")
     sv.add_argument("--pool", default="grpo-process-pool", help="work pool the worker serves")
     a = p.parse_args(argv)
+    from grpo.launch.environment import quiet_environment
+
+    quiet_environment()  # quiet offline operation, before anything imports torch
     if a.command != "serve":
         from tasks.server_auth import CredentialsError, apply_to_environment
 
@@ -186,22 +182,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    """Failures a user can act on: one line each, no traceback (--debug shows it)."""
-    from flows.serve import ServeError
-    from grpo.config import ConfigError
-    from grpo.data.files import DataError
-    from grpo.launch.preflight import PreflightError
-    from grpo.launch.runner import StageError
-    from grpo.models.loading import ModelDirError
-    from grpo.models.prompts import PromptLengthError
-    from reward_fns import RewardFunctionError
-    from tasks.server_auth import CredentialsError
-    from tasks.tracking import TrackingUnreachable
-    from tasks.validation import DataValidationError
+    """Failures a user can act on: one line each, no traceback (--debug shows it). Every layer's
+    own errors derive from UserError; OSError is a file or a port."""
+    from reward_fns.errors import UserError
 
-    return (ConfigError, DataError, ModelDirError, StageError, PreflightError,
-            RewardFunctionError, TrackingUnreachable, DataValidationError, PromptLengthError,
-            ServeError, CredentialsError, OSError)  # fmt: skip
+    return (UserError, OSError)
 
 
 def _one_line(e: BaseException) -> str:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import psutil
 
+from reward_fns.errors import UserError
 from tasks import server_auth
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -46,7 +47,7 @@ def _wait(url: str, seconds: float, what: str) -> None:
     raise RuntimeError(f"{what} did not answer at {url} within {seconds:.0f}s")
 
 
-class ServeError(RuntimeError):
+class ServeError(UserError, RuntimeError):
     """A server or the worker died, a setup command failed, or another serve holds the state
     directory; the message names it."""
 

@@ -16,10 +16,11 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from reward_fns.errors import UserError
 from reward_fns.registry import REWARD_FUNCS, RewardFn
 
 
-class RewardFunctionError(RuntimeError):
+class RewardFunctionError(UserError, RuntimeError):
     """A reward function raised or returned something unusable."""
 
 

@@ -22,12 +22,14 @@ from collections.abc import MutableMapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from reward_fns.errors import UserError
+
 PROJECT = Path(__file__).resolve().parents[1]
 FOLDER = ".grpo-serve"
 USERNAME = "admin"  # MLflow's basic-auth admin, and Prefect's single API user
 
 
-class CredentialsError(RuntimeError):
+class CredentialsError(UserError, RuntimeError):
     """The credentials file is unreadable, malformed or readable by others; the message names
     it."""
 

@@ -253,6 +253,7 @@ def evaluate(cfg: Config, parent_id: str, models: dict[str, str], run_dir: Path)
     import pandas as pd
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
+    from grpo.eval.metrics import comparison, markdown_rows
     from grpo.eval.run import evaluate_model
 
     with stage_run(cfg, parent_id, "evaluate") as run_id:
@@ -275,62 +276,9 @@ def evaluate(cfg: Config, parent_id: str, models: dict[str, str], run_dir: Path)
                 c.log_metric(run_id, tracking.safe_key(k), v)
         c.log_table(run_id, data=pd.DataFrame(table), artifact_file="comparison.json")
         create_table_artifact(key="evaluation", table=table, description="held-out accuracy")
-        create_markdown_artifact(key="evaluation-summary", markdown=_markdown(table))
+        create_markdown_artifact(key="evaluation-summary", markdown=markdown_rows(table))
     return {"table": table, "metrics": metrics, "reports": reports, "paired": paired,
-            "markdown": _markdown(table)}  # fmt: skip
-
-
-def comparison(
-    sets: list[str], labels: list[str], reports: dict[str, dict], samples: dict[str, list[dict]]
-) -> tuple[list[dict[str, Any]], dict[str, float], dict[str, dict[str, dict]]]:
-    """The table (one row per set: each model's accuracy, each model minus the reference with
-    a paired interval; GRPO minus the control and minus the champion when they were evaluated),
-    the flat metrics behind it, and the paired differences by model and set (with
-    "grpo_vs_control" and "grpo_vs_champion")."""
-    from grpo.eval.metrics import paired_difference
-
-    table, metrics, paired = [], {}, {}
-    for s in sets:
-        row: dict[str, Any] = {"set": s}
-        for label in labels:
-            m = reports[label]["sets"][s]
-            lo, hi = m["accuracy_ci_low"], m["accuracy_ci_high"]
-            row[label] = f"{m['accuracy']:.3f} [{lo:.3f}, {hi:.3f}]"
-            for k, v in m.items():
-                if isinstance(v, float):
-                    metrics[f"{label}/eval/{s}/{k}"] = v
-        for label in labels:
-            if label == "reference":
-                continue
-            d = paired_difference(
-                [r for r in samples["reference"] if r["set"] == s],
-                [r for r in samples[label] if r["set"] == s],
-            )
-            row[f"{label} - ref"] = f"{d['diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]"
-            metrics[f"{label}/eval/{s}/diff_vs_reference"] = d["diff"]
-            paired.setdefault(label, {})[s] = d
-        # GRPO against the equal-time control (the honest comparison) and the champion
-        for base, key in (("sft_continued", "control"), ("champion", "champion")):
-            if base not in labels or "grpo" not in labels:
-                continue
-            d = paired_difference(
-                [r for r in samples[base] if r["set"] == s],
-                [r for r in samples["grpo"] if r["set"] == s],
-            )
-            row[f"grpo - {base}"] = f"{d['diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]"
-            metrics[f"grpo/eval/{s}/diff_vs_{key}"] = d["diff"]
-            paired.setdefault(f"grpo_vs_{key}", {})[s] = d
-        table.append(row)
-    return table, metrics, paired
-
-
-def _markdown(rows: list[dict[str, Any]]) -> str:
-    if not rows:
-        return ""
-    cols = list(rows[0])
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(str(r[k]) for k in cols) + " |" for r in rows]
-    return "\n".join(lines)
+            "markdown": markdown_rows(table)}  # fmt: skip
 
 
 @task(name="register-model", retries=2, retry_delay_seconds=5)

@@ -15,6 +15,7 @@ from typing import Any
 
 from grpo.config import Config
 from grpo.launch.paths import file_lock
+from reward_fns.errors import UserError
 
 PROJECT = Path(__file__).resolve().parents[1]
 SECRET_WORDS = ("token", "password", "secret", "key")
@@ -33,7 +34,7 @@ def tracking_uri(cfg: Config) -> str:
 _SCHEMA_READY: set[str] = set()  # sqlite stores this process has opened under the lock
 
 
-class TrackingUnreachable(RuntimeError):
+class TrackingUnreachable(UserError, RuntimeError):
     """The tracking store or server cannot be used; the message names its URI."""
 
 

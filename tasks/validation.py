@@ -16,9 +16,10 @@ from grpo.launch.paths import base_model_dir
 from grpo.models.loading import load_tokenizer
 from grpo.models.prompts import prompt_token_counts
 from reward_fns import gold_parses
+from reward_fns.errors import UserError
 
 
-class DataValidationError(ValueError):
+class DataValidationError(UserError, ValueError):
     """A dataset failed its expectation suite."""
 
 

@@ -1,7 +1,9 @@
 import os
 
-# set before torch is imported anywhere: spin-waiting threads crawl on shared 2-core machines
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from grpo.launch.environment import quiet_environment
+
+# before torch is imported anywhere (grpo.launch.environment says why)
+quiet_environment()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

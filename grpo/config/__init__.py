@@ -30,6 +30,7 @@ from grpo.config.sections import (
     set_label,
 )
 from grpo.config.trl_names import hoist_flat_trl_keys
+from reward_fns.errors import UserError
 
 __all__ = [
     "Config",
@@ -59,7 +60,7 @@ def prompts_split_error(prompts_per_step: int, world: int, ranks: str) -> str | 
     return None
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config file or override is invalid; the message names the field."""
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from reward_fns.errors import UserError
+
 # TRL GRPOConfig name -> our grpo.<name>
 TRL_ALIASES: dict[str, str] = {
     "max_steps": "steps",
@@ -71,7 +73,7 @@ FP16_REFUSED = (
 )
 
 
-class TRLNameError(ValueError):
+class TRLNameError(UserError, ValueError):
     """A TRL setting that has no counterpart here, or one given under two names."""
 
 

@@ -10,8 +10,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from reward_fns.errors import UserError
 
-class DataError(ValueError):
+
+class DataError(UserError, ValueError):
     """A data file or row is unusable; the message names the file, row and field."""
 
 

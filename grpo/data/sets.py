@@ -46,8 +46,7 @@ def training_sets(cfg: Config) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
-def _load_file(path: str | None, cfg: Config, solution: bool) -> list[dict[str, Any]]:
-    assert path is not None
+def _load_file(path: str, cfg: Config, solution: bool) -> list[dict[str, Any]]:
     if cfg.data.gsm8k_solutions:
         return gsm8k_rows(path, with_solution=solution)
     return normalize(

@@ -106,12 +106,7 @@ def markdown_table(report: dict[str, Any]) -> str:
         key=lambda k: (k.split("@")[0], int(k.split("@")[1])),
     )
     head = ["set", "problems", "accuracy", "95% CI", *ks, "mean length", "truncated"]
-    lines = [
-        f"Model: `{report['model']}`",
-        "",
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * len(head),
-    ]
+    rows = []
     for name, m in report["sets"].items():
         cells = [
             name, str(int(m["num_problems"])), f"{m['accuracy']:.3f}",
@@ -119,5 +114,63 @@ def markdown_table(report: dict[str, Any]) -> str:
             *(f"{m[k]:.3f}" if k in m else "" for k in ks),
             f"{m['mean_length']:.1f}", f"{m['truncation_rate']:.3f}",
         ]  # fmt: skip
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+        rows.append(dict(zip(head, cells)))
+    return f"Model: `{report['model']}`\n\n" + markdown_rows(rows) + "\n"
+
+
+def markdown_rows(rows: list[dict[str, Any]]) -> str:
+    """A markdown table with the first row's keys as its columns ("" for no rows)."""
+    if not rows:
+        return ""
+    cols = list(rows[0])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(r[k]) for k in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def format_paired(d: dict[str, float]) -> str:
+    """A paired difference as the tables print it: +0.012 [-0.014, +0.038]."""
+    return f"{d['diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]"
+
+
+def comparison(
+    sets: list[str], labels: list[str], reports: dict[str, dict], samples: dict[str, list[dict]]
+) -> tuple[list[dict[str, Any]], dict[str, float], dict[str, dict[str, dict]]]:
+    """The table (one row per set: each model's accuracy, each model minus the reference with
+    a paired interval; GRPO minus the control and minus the champion when they were evaluated),
+    the flat metrics behind it, and the paired differences by model and set (with
+    "grpo_vs_control" and "grpo_vs_champion")."""
+    table, metrics, paired = [], {}, {}
+
+    def diff(base: str, label: str, s: str) -> dict[str, float]:
+        return paired_difference(
+            [r for r in samples[base] if r["set"] == s],
+            [r for r in samples[label] if r["set"] == s],
+        )
+
+    for s in sets:
+        row: dict[str, Any] = {"set": s}
+        for label in labels:
+            m = reports[label]["sets"][s]
+            lo, hi = m["accuracy_ci_low"], m["accuracy_ci_high"]
+            row[label] = f"{m['accuracy']:.3f} [{lo:.3f}, {hi:.3f}]"
+            for k, v in m.items():
+                if isinstance(v, float):
+                    metrics[f"{label}/eval/{s}/{k}"] = v
+        for label in labels:
+            if label == "reference":
+                continue
+            d = diff("reference", label, s)
+            row[f"{label} - ref"] = format_paired(d)
+            metrics[f"{label}/eval/{s}/diff_vs_reference"] = d["diff"]
+            paired.setdefault(label, {})[s] = d
+        # GRPO against the equal-time control (the honest comparison) and the champion
+        for base, key in (("sft_continued", "control"), ("champion", "champion")):
+            if base not in labels or "grpo" not in labels:
+                continue
+            d = diff(base, "grpo", s)
+            row[f"grpo - {base}"] = format_paired(d)
+            metrics[f"grpo/eval/{s}/diff_vs_{key}"] = d["diff"]
+            paired.setdefault(f"grpo_vs_{key}", {})[s] = d
+        table.append(row)
+    return table, metrics, paired

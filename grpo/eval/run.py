@@ -20,6 +20,9 @@ from grpo.models.prompts import check_prompt_lengths, encode_prompts
 from grpo.progress import progress_bar
 from reward_fns import accuracy, extract_answer
 
+# a prime larger than any batch count: (seed, batch) pairs never share a seed
+SEED_STRIDE = 1_000_003
+
 
 @torch.no_grad()
 def generate_for_rows(
@@ -47,7 +50,8 @@ def generate_for_rows(
         idx = order[start : start + per_batch]
         batch = [rows[i] for i in idx]
         ids, mask = encode_prompts(tokenizer, [r["prompt"] for r in batch], cfg, device)
-        torch.manual_seed(seed * 1_000_003 + b)  # per-batch seed: same samples for any model
+        # per-batch seed: the same samples for any model evaluated on the same rows
+        torch.manual_seed(seed * SEED_STRIDE + b)
         ro = generate(
             model, ids, mask,
             num_generations=samples, max_completion_length=max_new,

@@ -13,9 +13,10 @@ import tempfile
 from pathlib import Path
 
 from grpo.config import Config, prompts_split_error
+from reward_fns.errors import UserError
 
 
-class PreflightError(ValueError):
+class PreflightError(UserError, ValueError):
     """Something a stage needs is missing or broken; the message names it."""
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo.config import Config
+from grpo.launch.environment import quiet_environment
 from grpo.launch.paths import (
     ERROR_DIR,
     base_model_dir,
@@ -26,9 +27,13 @@ from grpo.launch.paths import (
     reference_dir,
     write_config,
 )
+from reward_fns.errors import UserError
+
+# output lines kept for the error message of a stage that failed without an error file
+TAIL_LINES = 40
 
 
-class StageError(RuntimeError):
+class StageError(UserError, RuntimeError):
     """A stage (or one of its ranks) failed; the message names the rank's error in one line,
     `details` holds its traceback (shown with --debug)."""
 
@@ -68,10 +73,9 @@ def run_subprocess(
     }
     inherited = {k: v for k, v in os.environ.items() if k not in dist_vars}
     errors_dir = Path(tempfile.mkdtemp(prefix="grpo-errors-"))
-    full_env = {
-        **inherited, "OMP_WAIT_POLICY": "PASSIVE", ERROR_DIR: str(errors_dir), **(env or {})
-    }  # fmt: skip
-    tail: deque[str] = deque(maxlen=40)
+    full_env = {**inherited, ERROR_DIR: str(errors_dir), **(env or {})}
+    quiet_environment(full_env)
+    tail: deque[str] = deque(maxlen=TAIL_LINES)
     with subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env
     ) as proc:

@@ -11,7 +11,9 @@ import os
 import sys
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from grpo.launch.environment import quiet_environment
+
+quiet_environment()  # before torch is imported by anything below
 
 
 def main(argv: list[str] | None = None) -> None:

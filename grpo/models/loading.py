@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from grpo.config import Config
+from reward_fns.errors import UserError
 
 
 def device_for(cfg: Config) -> torch.device:
@@ -22,7 +23,7 @@ def device_for(cfg: Config) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
-class ModelDirError(ValueError):
+class ModelDirError(UserError, ValueError):
     """A model directory is missing, incomplete or has no tokenizer."""
 
 

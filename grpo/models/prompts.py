@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from grpo.config import Config
+from reward_fns.errors import UserError
 
 SYSTEM_PROMPT = (
     "Think step by step inside <think></think>, then give only the final answer inside "
@@ -39,7 +40,7 @@ def encode_prompts(
     return enc["input_ids"].to(device), enc["attention_mask"].to(device)
 
 
-class PromptLengthError(ValueError):
+class PromptLengthError(UserError, ValueError):
     """A prompt does not fit grpo.max_prompt_length; the message names its source and row."""
 
 

@@ -29,6 +29,10 @@ import torch.nn.functional as F
 
 SUPPORTED_TYPES = ("qwen2", "llama")
 
+# finished rows leave the batch once they are 1/COMPACT_EVERY of it: copying the KV cache
+# costs about one decoding step, so compacting for fewer idle rows than that does not pay
+COMPACT_EVERY = 8
+
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why this sampler cannot run `model` exactly, or None when it can."""
@@ -286,7 +290,7 @@ def sample(
         n_done = int(done.sum())
         if n_done == rows.shape[0] or step + 1 == max_new_tokens:
             break
-        if n_done >= max(1, rows.shape[0] // 8):
+        if n_done >= max(1, rows.shape[0] // COMPACT_EVERY):
             # compaction: finished rows leave the batch; the cache rows are copied once
             keep = (~done).nonzero().squeeze(1)
             rows, tok, next_pos, bias = rows[keep], tok[keep], next_pos[keep], bias[keep]

@@ -67,3 +67,25 @@ def test_the_printed_table_shows_pass_and_maj_at_k():
     assert "pass@4" in header and "maj@2" in header
     cells = dict(zip(header.split("|"), row.split("|")))
     assert float(cells[" pass@4 "]) == pytest.approx(summarize(recs)["pass@4"], abs=5e-4)
+
+
+def test_the_comparison_table_pairs_every_model_with_the_reference_and_grpo_with_its_control():
+    from grpo.eval.metrics import comparison, markdown_rows
+
+    def recs(correct):
+        return [{"set": "s", "id": i, "sample": 0, "correct": c} for i, c in enumerate(correct)]
+
+    samples = {"reference": recs([1, 0, 0, 0]), "grpo": recs([1, 1, 1, 0]),
+               "sft_continued": recs([1, 1, 0, 0])}  # fmt: skip
+    reports = {k: {"sets": {"s": {"accuracy": sum(r["correct"] for r in v) / 4,
+                                  "accuracy_ci_low": 0.0, "accuracy_ci_high": 1.0}}}
+               for k, v in samples.items()}  # fmt: skip
+    table, metrics, paired = comparison(["s"], list(samples), reports, samples)
+    # grpo - reference: differences (0, 1, 1, 0): mean 0.5, sample sd 0.57735, half 1.96 * sd / 2
+    half = 1.959964 * (1 / 3) ** 0.5 / 2
+    assert table[0]["grpo - ref"] == f"+0.500 [{0.5 - half:+.3f}, {0.5 + half:+.3f}]"
+    assert metrics["grpo/eval/s/diff_vs_control"] == 0.25
+    assert paired["grpo_vs_control"]["s"]["n"] == 4.0
+    md = markdown_rows(table).splitlines()
+    assert md[0].startswith("| set | reference | grpo | sft_continued | grpo - ref |")
+    assert len(md) == 3 and markdown_rows([]) == ""
