@@ -112,6 +112,14 @@ def cmd_promote(a: argparse.Namespace) -> None:
     print(f"{cfg.tracking.registered_model} version {a.version} is now @{a.alias}")
 
 
+def cmd_import_gguf(a: argparse.Namespace) -> None:
+    from grpo.launch.paths import gguf_model_dir
+
+    cfg = _config(a)
+    out = gguf_model_dir(a.gguf, Path(a.cache) if a.cache else Path(cfg.output_dir) / "base")
+    print(out)
+
+
 def cmd_serve(a: argparse.Namespace) -> None:
     from flows.serve import serve
 
@@ -153,6 +161,9 @@ def main(argv: list[str] | None = None) -> None:
     pr.add_argument("--version", required=True)
     pr.add_argument("--alias", default="champion")
     pr.add_argument("--reason", help="why (recorded on the version with who and when)")
+    ig = add("import-gguf", cmd_import_gguf, "turn a GGUF file into a Hugging Face directory")
+    ig.add_argument("gguf", help="a .gguf path, or package:path inside an installed package")
+    ig.add_argument("--cache", help="where converted models live (default <output_dir>/base)")
     sv = add("serve", cmd_serve, "local Prefect + MLflow servers, deployment and worker")
     sv.add_argument("--prefect-port", type=int, default=4200)
     sv.add_argument("--mlflow-port", type=int, default=5000)

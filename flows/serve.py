@@ -216,6 +216,9 @@ def _write_auth_ini(private: Path) -> Path:
         f"database_uri = sqlite:///{private / 'mlflow-auth.db'}\n"
         f"admin_username = {server_auth.USERNAME}\n"
         "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+        # a password check is a slow key derivation (PBKDF2) on every request; one server
+        # worker, so a cached success is never stale across workers
+        "auth_cache_ttl_seconds = 300\n"
     )
     return ini
 

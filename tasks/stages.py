@@ -269,11 +269,8 @@ def evaluate(cfg: Config, parent_id: str, models: dict[str, str], run_dir: Path)
             tracking.log_evaluation(cfg, run_id, reports[label], out, prefix=f"{label}/")
         table, metrics, paired = comparison(cfg.eval.sets, list(models), reports, samples)
         # the comparison on the parent run too: the runs list of the MLflow UI shows it directly
-        for k, v in metrics.items():
-            c.log_metric(parent_id, tracking.safe_key(k), v)
-        for k, v in metrics.items():
-            if "/diff_vs_" in k:
-                c.log_metric(run_id, tracking.safe_key(k), v)
+        tracking.log_metrics(c, parent_id, metrics)
+        tracking.log_metrics(c, run_id, {k: v for k, v in metrics.items() if "/diff_vs_" in k})
         c.log_table(run_id, data=pd.DataFrame(table), artifact_file="comparison.json")
         create_table_artifact(key="evaluation", table=table, description="held-out accuracy")
         create_markdown_artifact(key="evaluation-summary", markdown=markdown_rows(table))

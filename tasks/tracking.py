@@ -147,6 +147,12 @@ def log_step_metrics(c: Any, run_id: str, rows: list[dict[str, Any]], prefix: st
     return len(ms)
 
 
+def log_metrics(c: Any, run_id: str, metrics: dict[str, float]) -> None:
+    """Named values at step 0, in batches (one request per 1000, not one each: a served store
+    checks credentials on every request)."""
+    log_step_metrics(c, run_id, [{"step": 0, **metrics}])
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
@@ -268,10 +274,8 @@ def log_evaluation(
     import pandas as pd
 
     c = client(cfg)
-    for s, m in report["sets"].items():
-        for k, v in m.items():
-            if isinstance(v, float):
-                c.log_metric(run_id, safe_key(f"{prefix}eval/{s}/{k}"), v)
+    log_metrics(c, run_id, {f"{prefix}eval/{s}/{k}": v for s, m in report["sets"].items()
+                            for k, v in m.items() if isinstance(v, float)})  # fmt: skip
     samples = read_jsonl(out_dir / "samples.jsonl")
     if samples:
         c.log_table(run_id, data=pd.DataFrame(samples), artifact_file=f"{prefix}eval/samples.json")

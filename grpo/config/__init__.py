@@ -94,8 +94,12 @@ class Config(Strict):
             raise ValueError(
                 f"tracking.promotion_metric is about {gate_set!r}, which eval.sets does not hold"
             )
-        if not self.sft.enabled and not self.model.path:
-            raise ValueError("sft.enabled=false needs model.path (a reference to start from)")
+        if not self.sft.enabled and not (self.model.path or self.model.gguf):
+            raise ValueError(
+                "sft.enabled=false needs model.path or model.gguf (a reference to start from)"
+            )
+        if self.model.path and self.model.gguf:
+            raise ValueError("model.path and model.gguf both name the model; give one")
         return self
 
     def run_dir(self) -> Path:

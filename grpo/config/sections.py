@@ -27,6 +27,11 @@ class ModelConfig(Strict):
     path: str | None = Field(
         None, description="local Hugging Face model directory; None builds the tiny model"
     )
+    gguf: str | None = Field(
+        None,
+        description="a GGUF file, as a path or 'package:path' inside an installed package, "
+        "converted once into a cached Hugging Face directory (instead of path)",
+    )
     tiny: TinyModelConfig = TinyModelConfig()
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     chat_template: bool = Field(False, description="wrap prompts in the tokenizer's chat template")

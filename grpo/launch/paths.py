@@ -29,15 +29,31 @@ def file_lock(path: Path) -> Iterator[None]:
 
 
 def base_model_dir(cfg: Config) -> Path:
-    """The model SFT starts from: model.path, or the tiny model built into the run directory."""
+    """The model SFT starts from: model.path, the converted model.gguf, or the tiny model built
+    into the run directory."""
     if cfg.model.path:
         return Path(cfg.model.path)
+    if cfg.model.gguf:
+        return gguf_model_dir(cfg.model.gguf, Path(cfg.output_dir) / "base")
     from grpo.models.tiny import build_tiny_model
 
     out = Path(cfg.output_dir) / "base" / f"tiny-{cfg.digest('model')}-s{cfg.seed}"
     with file_lock(out.with_name(out.name + ".lock")):
         if not (out / "config.json").exists():
             build_tiny_model(out, cfg.model.tiny, cfg.seed)
+    return out
+
+
+def gguf_model_dir(spec: str, cache: Path) -> Path:
+    """The Hugging Face directory of the GGUF file `spec` names (grpo.models.gguf), cached
+    under `cache` by the file's content digest and converted once, one process at a time."""
+    from grpo.models.gguf import convert_gguf, resolve_gguf
+
+    gguf = resolve_gguf(spec)
+    out = cache / f"{gguf.stem}-{file_digest(gguf)[:16]}"
+    with file_lock(out.with_name(out.name + ".lock")):
+        if not (out / "config.json").exists():
+            convert_gguf(gguf, out)
     return out
 
 
@@ -54,7 +70,7 @@ def reference_dir(cfg: Config) -> Path:
     reference.
     """
     if not cfg.sft.enabled:
-        return Path(cfg.model.path or "")
+        return base_model_dir(cfg)
     h = hashlib.sha256(cfg.digest("model", "data", "sft", "seed").encode())
     for f in (cfg.data.train_path, cfg.data.sft_path):
         if f and Path(f).is_file():

@@ -131,6 +131,15 @@ def check_world_size(cfg: Config) -> None:
         raise PreflightError(error)
 
 
+def check_gguf(spec: str) -> None:
+    """model.gguf names a file that exists, and the packages that read it are installed."""
+    from grpo.models.gguf import EXTRA, missing_packages, resolve_gguf
+
+    path = resolve_gguf(spec)
+    if missing := missing_packages():
+        raise PreflightError(f"{path}: reading GGUF needs {', '.join(missing)}: {EXTRA}")
+
+
 def preflight(cfg: Config, *, model_dirs: list[str | Path] = (), train: bool = True) -> None:
     """The checks of a command: model directories, reward functions, output, data, ranks."""
     check_writable(cfg.output_dir)
@@ -138,6 +147,8 @@ def preflight(cfg: Config, *, model_dirs: list[str | Path] = (), train: bool = T
         check_world_size(cfg)
     if cfg.model.path:
         check_model_dir(cfg.model.path)
+    if cfg.model.gguf:
+        check_gguf(cfg.model.gguf)
     for d in model_dirs:
         check_model_dir(d)
     if train:
