@@ -82,7 +82,9 @@ def _train_with_control(
     from grpo.engine.pace import PACE_FILE, mark_done
     from tasks import stages
 
-    if not (control and cfg.sft.enabled):
+    # the control needs worked solutions to continue SFT on, not an SFT-built reference: from
+    # an instruct model used as is (sft.enabled false) it is SFT started at that model
+    if not (control and cfg.has_worked_solutions):
         return stages.train_policy(cfg, pid, ref, run_dir), None
     threads = stages.control_threads(cfg)
     if threads is None:

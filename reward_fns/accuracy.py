@@ -25,6 +25,8 @@ MAX_ANSWER_CHARS = 2000
 TIME_LIMIT_S = 1  # per parse and per verify call; math-verify takes whole seconds
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _INTEGER = re.compile(r"-?[0-9]+")
+# an integer as written in text: thousands commas, a sentence's closing period
+_WRITTEN_INTEGER = re.compile(r"-?[0-9][0-9,]*\.?")
 
 
 def extract_answer(text: str) -> str:
@@ -39,6 +41,26 @@ def extract_answer(text: str) -> str:
     if "</think>" in text:
         text = text.rsplit("</think>", 1)[1]
     return text[-MAX_ANSWER_CHARS:].strip()
+
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def last_number_matches(text: str, gold: str) -> bool:
+    """The lenient reading: the last number written anywhere in the text equals the gold answer
+    (commas in numbers ignored). It sees through a missing <answer> tag, so a gain under the
+    strict reading (`is_correct`) that is only format shows up as such.
+
+    >>> last_number_matches("7 + 6 = 13.", "13"), last_number_matches("1,024 then 5", "1024")
+    (True, False)
+    """
+    found = _NUMBER.findall(text.replace(",", ""))
+    if not found:
+        return False
+    try:
+        return float(found[-1]) == float(str(gold).replace(",", ""))
+    except ValueError:
+        return False
 
 
 def _parse(text: str, wrap: bool) -> list:
@@ -64,20 +86,30 @@ def answer_matches(answer: str, gold: str) -> bool:
     as sampling them. Two plain integers are compared as integers, which is what math-verify
     concludes for them too (tests check both agree).
 
+    An integer gold needs an integer written out. math-verify keeps an expression unevaluated
+    and then finds it equal: "The final answer is: 20+24." matched 44. SmolLM2-135M learned to
+    copy the problem back that way within 10 GRPO steps (benchmarks/REAL_MODEL.md), so for an
+    integer gold the expression math-verify extracted must itself be an integer.
+
     >>> answer_matches("0132", "132"), answer_matches("3/2", "1.5")
     (True, True)
+    >>> answer_matches("The final answer is: 20+24.", "44"), answer_matches("7 + 6 = 13.", "13")
+    (False, True)
     """
     if _INTEGER.fullmatch(answer) and _INTEGER.fullmatch(gold):
         return int(answer) == int(gold)
-    return _math_verify_matches(answer, gold)
+    return _math_verify_matches(answer, gold, written_integer=bool(_INTEGER.fullmatch(gold)))
 
 
-def _math_verify_matches(answer: str, gold: str) -> bool:
+def _math_verify_matches(answer: str, gold: str, written_integer: bool = False) -> bool:
     from math_verify import verify
 
     gold_parsed = _parse(gold, wrap=True)
     pred_parsed = _parse(answer, wrap=False)
     if not gold_parsed or not pred_parsed:
+        return False
+    # parse() gives [expression, the text it was read from]
+    if written_integer and not _WRITTEN_INTEGER.fullmatch(str(pred_parsed[-1]).strip()):
         return False
     return bool(verify(gold_parsed, pred_parsed, timeout_seconds=TIME_LIMIT_S))
 

@@ -102,6 +102,11 @@ class Config(Strict):
             raise ValueError("model.path and model.gguf both name the model; give one")
         return self
 
+    @property
+    def has_worked_solutions(self) -> bool:
+        """Whether there is SFT data (the synthetic task's, or data.sft_path)."""
+        return self.data.task == "synthetic" or bool(self.data.sft_path)
+
     def run_dir(self) -> Path:
         return Path(self.output_dir) / self.run_name
 

@@ -10,7 +10,7 @@ import math
 import torch
 
 from grpo.algo.advantages import zero_std_groups
-from grpo.engine.distributed import all_reduce_sum
+from grpo.engine.distributed import all_reduce_dict
 from grpo.models.generate import Rollout
 
 
@@ -20,29 +20,31 @@ def rollout_metrics(
     """Reward mean/std (overall and per function), zero-std share, completion lengths."""
     G = ro.group_size
     lengths = ro.lengths.float()
-    fn_sums = []
+    local = {
+        "reward": float(rewards.sum()), "reward_sq": float((rewards**2).sum()),
+        "n": float(rewards.numel()), "zero_std_groups": float(zero_std_groups(rewards, G).sum()),
+        "groups": float(rewards.numel() // G), "length": float(lengths.sum()),
+        "truncated": float(ro.truncated.sum()),
+    }  # fmt: skip
     for name in per_fn:
-        vals = [v for v in per_fn[name] if v is not None]
-        fn_sums += [sum(vals), sum(v * v for v in vals), len(vals)]
-    local = [
-        float(rewards.sum()), float((rewards**2).sum()), float(rewards.numel()),
-        float(zero_std_groups(rewards, G).sum()), float(rewards.numel() // G),
-        float(lengths.sum()), float(ro.truncated.sum()),
-    ] + fn_sums  # fmt: skip
-    tot = all_reduce_sum(local, device)
-    neg_min, mx = all_reduce_sum([-float(lengths.min()), float(lengths.max())], device, "max")
-    n = tot[2]
+        vals = [v for v in per_fn[name] if v is not None]  # None: not applicable, left out
+        local |= {f"fn/{name}": sum(vals), f"fn/{name}/sq": sum(v * v for v in vals),
+                  f"fn/{name}/n": len(vals)}  # fmt: skip
+    tot = all_reduce_dict(local, device)
+    extremes = all_reduce_dict({"neg_min": -float(lengths.min()), "max": float(lengths.max())},
+                               device, "max")  # fmt: skip
+    n = tot["n"]
     out = {
-        "reward": tot[0] / n,
-        "reward_std": math.sqrt(max(tot[1] / n - (tot[0] / n) ** 2, 0.0)),
-        "frac_reward_zero_std": tot[3] / tot[4],
-        "completions/mean_length": tot[5] / n,
-        "completions/clipped_ratio": tot[6] / n,
-        "completions/min_length": -neg_min,
-        "completions/max_length": mx,
+        "reward": tot["reward"] / n,
+        "reward_std": math.sqrt(max(tot["reward_sq"] / n - (tot["reward"] / n) ** 2, 0.0)),
+        "frac_reward_zero_std": tot["zero_std_groups"] / tot["groups"],
+        "completions/mean_length": tot["length"] / n,
+        "completions/clipped_ratio": tot["truncated"] / n,
+        "completions/min_length": -extremes["neg_min"],
+        "completions/max_length": extremes["max"],
     }
-    for j, name in enumerate(per_fn):
-        s, s2, c = tot[7 + 3 * j : 10 + 3 * j]
-        out[f"rewards/{name}/mean"] = s / max(c, 1)
-        out[f"rewards/{name}/std"] = math.sqrt(max(s2 / max(c, 1) - (s / max(c, 1)) ** 2, 0))
+    for name in per_fn:
+        s, s2, c = (tot[f"fn/{name}"], tot[f"fn/{name}/sq"], max(tot[f"fn/{name}/n"], 1))
+        out[f"rewards/{name}/mean"] = s / c
+        out[f"rewards/{name}/std"] = math.sqrt(max(s2 / c - (s / c) ** 2, 0))
     return out

@@ -62,6 +62,9 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, float]:
         "accuracy": acc,
         "accuracy_ci_low": lo,
         "accuracy_ci_high": hi,
+        # the last number in the text, whatever the format (first sample of each problem)
+        "accuracy_lenient": sum(bool(v[0].get("correct_lenient")) for v in by_id.values())
+        / max(1, n_problems),
         "num_problems": float(n_problems),
         "samples": float(n),
         "mean_length": sum(r["length"] for r in records) / max(1, len(records)),
@@ -86,10 +89,13 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-def paired_difference(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str, float]:
-    """b - a accuracy on the same problems (first sample each), with a 95% normal interval."""
-    ca = {r["id"]: r["correct"] for r in a if r["sample"] == 0}
-    cb = {r["id"]: r["correct"] for r in b if r["sample"] == 0}
+def paired_difference(
+    a: list[dict[str, Any]], b: list[dict[str, Any]], key: str = "correct"
+) -> dict[str, float]:
+    """b - a accuracy on the same problems (first sample each), with a 95% normal interval;
+    key "correct_lenient" for the lenient reading."""
+    ca = {r["id"]: r.get(key, False) for r in a if r["sample"] == 0}
+    cb = {r["id"]: r.get(key, False) for r in b if r["sample"] == 0}
     ids = sorted(set(ca) & set(cb))
     d = [float(cb[i]) - float(ca[i]) for i in ids]
     n = len(d)
@@ -105,14 +111,17 @@ def markdown_table(report: dict[str, Any]) -> str:
         {k for m in report["sets"].values() for k in m if k.startswith(("pass@", "maj@"))},
         key=lambda k: (k.split("@")[0], int(k.split("@")[1])),
     )
-    head = ["set", "problems", "accuracy", "95% CI", *ks, "mean length", "truncated"]
+    head = ["set", "problems", "accuracy", "95% CI", "lenient", *ks, "mean length", "truncated",
+            "left out"]  # fmt: skip
     rows = []
     for name, m in report["sets"].items():
         cells = [
             name, str(int(m["num_problems"])), f"{m['accuracy']:.3f}",
             f"[{m['accuracy_ci_low']:.3f}, {m['accuracy_ci_high']:.3f}]",
+            f"{m.get('accuracy_lenient', float('nan')):.3f}",
             *(f"{m[k]:.3f}" if k in m else "" for k in ks),
             f"{m['mean_length']:.1f}", f"{m['truncation_rate']:.3f}",
+            str(int(m.get("left_out", 0))),
         ]  # fmt: skip
         rows.append(dict(zip(head, cells)))
     return f"Model: `{report['model']}`\n\n" + markdown_rows(rows) + "\n"
@@ -150,6 +159,9 @@ def comparison(
 
     for s in sets:
         row: dict[str, Any] = {"set": s}
+        left_out = max(int(reports[label]["sets"][s].get("left_out", 0)) for label in labels)
+        if left_out:  # prompts longer than evaluation can hold: never silently dropped
+            row["left out"] = left_out
         for label in labels:
             m = reports[label]["sets"][s]
             lo, hi = m["accuracy_ci_low"], m["accuracy_ci_high"]

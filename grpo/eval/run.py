@@ -6,6 +6,7 @@ The metrics themselves are pure functions in grpo.eval.metrics.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +17,10 @@ from grpo.data.sets import eval_set
 from grpo.eval.metrics import markdown_table, summarize
 from grpo.models.generate import generate
 from grpo.models.loading import eos_token_ids
-from grpo.models.prompts import check_prompt_lengths, encode_prompts
+from grpo.models.prompts import encode_prompts, eval_prompt_limit, split_by_prompt_length
 from grpo.progress import progress_bar
 from reward_fns import accuracy, extract_answer
+from reward_fns.accuracy import last_number_matches
 
 # a prime larger than any batch count: (seed, batch) pairs never share a seed
 SEED_STRIDE = 1_000_003
@@ -72,6 +74,7 @@ def generate_for_rows(
                     "extracted": extract_answer(text),
                     "gold": row["answer"],
                     "correct": bool(scores[j]),
+                    "correct_lenient": last_number_matches(text, row["answer"]),
                     "length": int(ro.completion_mask[j].sum()),
                     "truncated": bool(ro.truncated[j]),
                     **{k: row[k] for k in ("subject", "level") if k in row},
@@ -103,9 +106,17 @@ def evaluate_model(
     report: dict[str, Any] = {"model": str(model_dir), "sets": {}}
     all_records = []
     shots = few_shot_prefix(cfg)
+    prompt_limit = eval_prompt_limit(cfg, getattr(model.config, "max_position_embeddings", None))
     for name in sets:
         rows = eval_set(name, cfg)[:limit] if limit else eval_set(name, cfg)
-        check_prompt_lengths(tok, cfg, rows, name)
+        rows, left_out = split_by_prompt_length(tok, cfg, rows, prompt_limit)
+        if left_out:
+            ids = ", ".join(str(r["id"]) for r in left_out[:5]) + (
+                ", ..." if len(left_out) > 5 else ""
+            )
+            print(f"{name}: {len(left_out)} of {len(rows) + len(left_out)} prompts are longer than "
+                  f"the {prompt_limit} tokens evaluation can hold, left out (ids {ids})",
+                  file=sys.stderr)  # fmt: skip
         if shots:
             rows = [{**r, "prompt": shots + r["prompt"]} for r in rows]
         recs = generate_for_rows(
@@ -116,6 +127,8 @@ def evaluate_model(
         for r in recs:
             r["set"] = name
         report["sets"][name] = summarize(recs)
+        report["sets"][name]["left_out"] = float(len(left_out))
+        report["sets"][name]["left_out_ids"] = [str(r["id"]) for r in left_out]
         for key in ("subject", "level"):
             groups = sorted({str(r[key]) for r in recs if key in r})
             if groups:

@@ -24,12 +24,12 @@ from grpo.models import sampler
 class Rollout:
     """B = prompts x group_size completions; rows of one prompt are contiguous."""
 
-    prompt_ids: torch.Tensor  # [B, P] left-padded
-    prompt_mask: torch.Tensor  # [B, P]
-    completion_ids: torch.Tensor  # [B, C] pad after EOS
-    completion_mask: torch.Tensor  # [B, C] 1 up to and including EOS
-    truncated: torch.Tensor  # [B] bool: no EOS within max_completion_length
-    sampling_logps: torch.Tensor  # [B, C] log pi_old of each sampled token (0 where masked)
+    prompt_ids: torch.Tensor  # [N, P] left-padded
+    prompt_mask: torch.Tensor  # [N, P]
+    completion_ids: torch.Tensor  # [N, C] pad after EOS
+    completion_mask: torch.Tensor  # [N, C] 1 up to and including EOS
+    truncated: torch.Tensor  # [N] bool: no EOS within max_completion_length
+    sampling_logps: torch.Tensor  # [N, C] log pi_old of each sampled token (0 where masked)
     group_size: int  # G: completions per prompt
 
     def select(self, idx: torch.Tensor) -> Rollout:
@@ -43,7 +43,7 @@ class Rollout:
 
     @property
     def lengths(self) -> torch.Tensor:
-        return self.completion_mask.sum(1)  # [B]
+        return self.completion_mask.sum(1)  # [N]
 
     @property
     def num_groups(self) -> int:
@@ -81,9 +81,9 @@ def completion_mask(
             [1, 1, 1],
             [1, 0, 0]]), tensor([False,  True, False]))
     """
-    is_eos = torch.isin(ids, torch.tensor(eos_ids, device=ids.device).view(-1))  # [B, C]
+    is_eos = torch.isin(ids, torch.tensor(eos_ids, device=ids.device).view(-1))  # [N, C]
     has_eos = is_eos.any(1)
-    first = torch.where(has_eos, is_eos.int().argmax(1), ids.shape[1])  # [B]
+    first = torch.where(has_eos, is_eos.int().argmax(1), ids.shape[1])  # [N]
     pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)  # [1, C]
     return (pos <= first.unsqueeze(1)).long(), ~has_eos
 
@@ -111,7 +111,7 @@ def generate(
     engine: "fast" (grpo.models.sampler), "hf" (transformers generate) or "auto" (fast when
     the architecture is supported, see resolve_engine).
     """
-    ids = prompt_ids.repeat_interleave(num_generations, 0)  # [B, P]
+    ids = prompt_ids.repeat_interleave(num_generations, 0)  # [N, P]: each prompt G times
     mask = prompt_mask.repeat_interleave(num_generations, 0)
     was_training = model.training
     model.eval()
@@ -184,7 +184,7 @@ def _hf_generate(
         generation_config=gen_cfg,
         logits_processor=LogitsProcessorList([recorder]),
     )
-    comp = out[:, ids.shape[1] :]  # [B, C]
+    comp = out[:, ids.shape[1] :]  # [N, C]
     if comp.shape[1] > 0:
         recorder.finish(comp[:, -1])
     logps = torch.stack(recorder.logps, 1) if recorder.logps else torch.zeros_like(comp).float()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -71,3 +73,35 @@ def check_prompt_lengths(tok: Any, cfg: Config, rows: list[dict], source: str) -
                 f"{source}: row {i} (id {r['id']}): prompt of {n} tokens exceeds "
                 f"grpo.max_prompt_length={limit}"
             )
+
+
+def model_context(model_dir: str | Path) -> int | None:
+    """The positions a model was built for (config.json's max_position_embeddings), if any."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return None
+    value = json.loads(path.read_text()).get("max_position_embeddings")
+    return int(value) if value else None
+
+
+def eval_prompt_limit(cfg: Config, context: int | None) -> int:
+    """Prompt tokens evaluation can hold: the model's context less the tokens it generates
+    (eval.max_new_tokens, else grpo.max_completion_length). Training prompts keep
+    grpo.max_prompt_length; an evaluation set is not training data, and a long problem of
+    MATH-500 should not stop the run. With no known context: grpo.max_prompt_length."""
+    if context is None:
+        return cfg.grpo.max_prompt_length
+    return context - (cfg.eval.max_new_tokens or cfg.grpo.max_completion_length)
+
+
+def split_by_prompt_length(
+    tok: Any, cfg: Config, rows: list[dict], limit: int
+) -> tuple[list[dict], list[dict]]:
+    """(rows whose prompt fits `limit` tokens, rows left out). A prompt longer in characters
+    than the limit times the longest token's spelling is left out without tokenizing it (a
+    10 MB prompt costs no tokenizer memory)."""
+    widest = max(len(t) for t in tok.get_vocab())
+    short = [r for r in rows if len(r["prompt"]) <= limit * widest]
+    counts = prompt_token_counts(tok, cfg, [r["prompt"] for r in short])
+    fits = {id(r) for r, n in zip(short, counts) if n <= limit}
+    return [r for r in rows if id(r) in fits], [r for r in rows if id(r) not in fits]

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_report_numbers_equal_a_recomputation_from_the_samples_file(tmp_path):
-    cfg = small_config(tmp_path)
+    cfg = small_config(tmp_path, "model.tiny.max_position_embeddings=1024")  # GSM8K fits
     model = base_model_dir(cfg)
     report = evaluate_model(
         cfg, str(model), ["synthetic", "gsm8k"], str(tmp_path / "ev"), samples=4, limit=10,
@@ -28,8 +28,9 @@ def test_report_numbers_equal_a_recomputation_from_the_samples_file(tmp_path):
     assert len(recs) == 2 * 10 * 4
     for name in ("synthetic", "gsm8k"):
         again = summarize([r for r in recs if r["set"] == name])
+        assert report["sets"][name]["left_out"] == 0.0
         for k, v in report["sets"][name].items():
-            if isinstance(v, float):
+            if isinstance(v, float) and k != "left_out":
                 assert again[k] == pytest.approx(v), (name, k)
     assert (tmp_path / "ev" / "report.md").read_text().count("|") > 10
     # deterministic for a fixed seed
@@ -41,8 +42,8 @@ def test_report_numbers_equal_a_recomputation_from_the_samples_file(tmp_path):
 
 
 def test_math500_has_subject_and_level_breakdown(tmp_path):
-    # MATH-500 in the tiny model's characters: longer than the default 512
-    cfg = small_config(tmp_path, "eval.max_new_tokens=8", "grpo.max_prompt_length=4096")
+    # MATH-500 in the tiny model's characters: a context of 4096 positions holds them
+    cfg = small_config(tmp_path, "eval.max_new_tokens=8", "model.tiny.max_position_embeddings=4096")
     rep = evaluate_model(
         cfg, str(base_model_dir(cfg)), ["math500"], str(tmp_path / "m"), limit=12, progress=False
     )
@@ -92,14 +93,41 @@ def test_model_directory_without_tokenizer_is_refused(tmp_path):
 
 
 def test_cli_evaluate_on_gsm8k(tmp_path):
-    cfg = small_config(tmp_path)
+    # GSM8K in characters: up to 848 tokens, which a context of 1024 holds
+    cfg = small_config(tmp_path, "model.tiny.max_position_embeddings=1024")
     model = base_model_dir(cfg)
     out = subprocess.run(
         [sys.executable, "-m", "flows.cli", "evaluate", "--model", str(model), "--sets", "gsm8k",
-         "--limit", "50", "--out", str(tmp_path / "e"), "--baseline", str(model),
-         "--set", "grpo.max_prompt_length=1024"],  # GSM8K in characters: up to 848
+         "--limit", "50", "--out", str(tmp_path / "e"), "--baseline", str(model)],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "| gsm8k | 50 |" in out.stdout
+    assert "| gsm8k | 50 |" in out.stdout and "left out" not in out.stderr
     assert "gsm8k            +0.000 [+0.000, +0.000]" in out.stdout  # a model against itself
+
+
+def test_prompts_longer_than_evaluation_holds_are_left_out_and_reported(tmp_path):
+    """The tiny model holds 256 positions, less the new tokens for the prompt.
+    GSM8K's longer problems (in characters) are left out by id and counted, never dropped
+    silently; training prompts keep grpo.max_prompt_length."""
+    import io
+    from contextlib import redirect_stderr
+
+    from grpo.models.prompts import eval_prompt_limit, model_context
+
+    cfg = small_config(tmp_path)
+    model = base_model_dir(cfg)
+    limit = 256 - (cfg.eval.max_new_tokens or cfg.grpo.max_completion_length)
+    assert eval_prompt_limit(cfg, model_context(model)) == limit
+    err = io.StringIO()
+    with redirect_stderr(err):
+        rep = evaluate_model(cfg, str(model), ["gsm8k"], str(tmp_path / "e"), limit=40,
+                             progress=False)  # fmt: skip
+    m = rep["sets"]["gsm8k"]
+    assert m["left_out"] > 0 and m["num_problems"] + m["left_out"] == 40
+    assert len(m["left_out_ids"]) == m["left_out"]
+    assert (
+        f"gsm8k: {int(m['left_out'])} of 40 prompts are longer than the {limit} tokens"
+        in err.getvalue()
+    )
+    assert m["left_out_ids"][0] in err.getvalue()

@@ -136,7 +136,10 @@ def test_truncated_completions_can_be_masked_out_of_the_loss(tmp_path):
 
 def test_the_pipeline_runs_on_a_real_architecture(real_dir, tmp_path):
     """sft.enabled false, GSM8K prompts in the chat template, accuracy + format rewards, a few
-    GRPO steps, evaluation on GSM8K and MATH-500 subsets; registered like the toy."""
+    GRPO steps, evaluation on GSM8K and MATH-500 subsets; registered like the toy. MATH-500
+    holds prompts longer than grpo.max_prompt_length (512) in this tokenizer: validation lets
+    them through (evaluation can hold 2048 - 12 tokens), as it must for the shipped Qwen2.5
+    config."""
     from mlflow import MlflowClient
     from prefect.testing.utilities import prefect_test_harness
 
@@ -148,10 +151,18 @@ def test_the_pipeline_runs_on_a_real_architecture(real_dir, tmp_path):
         "data.task=files", f"data.train_path={ROOT / 'data/gsm8k/train.jsonl'}",
         "data.gsm8k_solutions=true", "grpo.steps=2", "grpo.prompts_per_step=2",
         "grpo.num_generations=4", "grpo.max_completion_length=12", "grpo.eval_every=0",
-        "grpo.checkpoint_every=2", "grpo.max_prompt_length=1500", "eval.sets=[gsm8k, math500]",
+        "grpo.checkpoint_every=2", "eval.sets=[gsm8k, math500]",
         "eval.limit=6", "eval.max_new_tokens=12", f"output_dir={tmp_path / 'runs'}",
         "tracking.registered_model=realistic-e2e", "tracking.promotion_metric=eval/gsm8k/accuracy",
     ]  # fmt: skip
+    from grpo.config import load_config
+    from grpo.data.sets import eval_set
+    from grpo.models.loading import load_tokenizer
+    from grpo.models.prompts import prompt_token_counts
+
+    cfg = load_config(ROOT / "configs/tiny.yaml", overrides)
+    math500 = [r["prompt"] for r in eval_set("math500", cfg)]
+    assert max(prompt_token_counts(load_tokenizer(real_dir), cfg, math500)) > 512
     with tracking_uri(uri), prefect_test_harness(server_startup_timeout=120):
         result = grpo_pipeline(
             PipelineParams(config=str(ROOT / "configs/tiny.yaml"), overrides=overrides)
@@ -169,6 +180,7 @@ def test_the_pipeline_runs_on_a_real_architecture(real_dir, tmp_path):
     assert [m.step for m in c.get_metric_history(grpo_run, "reward")] == [1, 2]
     for s in ("gsm8k", "math500"):
         assert f"grpo/eval/{s}/accuracy" in parent.data.metrics
+        assert parent.data.metrics[f"grpo/eval/{s}/left_out"] == 0.0
     mv = c.get_model_version_by_alias("realistic-e2e", "challenger")
     assert mv.run_id == grpo_run
     # the completions ended at one of the two EOS ids or at the length limit, never beyond

@@ -183,3 +183,24 @@ def test_arithmetic_steps_is_gamed_by_easy_sums_where_column_steps_is_not():
     gamed = ["<think>1+1=2 2+2=4 3+3=6</think><answer>0</answer>"]
     assert arithmetic_steps(gamed, ["132"])[0][0] == [1.0, 1.0, 1.0, 0.0]
     assert column_steps(gamed, ["47+85="], ["132"])[0][0] == [0.0, 0.0, 0.0, 0.0]
+
+
+def test_an_integer_answer_must_be_written_out_not_copied_as_the_problem():
+    """SmolLM2-135M learned in 10 GRPO steps to answer "20+24=" with "The final answer is:
+    20+24." (math-verify keeps the expression unevaluated and finds it equal to 44). An integer
+    gold now needs an integer; worked equations and other gold forms still count."""
+    from reward_fns import accuracy
+
+    hacks = ["The final answer is: 20+24.", "x = 20+24", "<answer>20+24</answer>",
+             "<answer>4*11</answer>", "The answer is $20 + 24$."]  # fmt: skip
+    assert accuracy(hacks, ["44"] * len(hacks)) == [0.0] * len(hacks)
+    honest = [
+        "20 + 24 = 44", "The answer is \\boxed{44}.", "So the answer is 44.",
+        "<think>4+0=4 2+2=4</think><answer>44</answer>", "It is 1,044.", "<answer>-44</answer>",
+    ]  # fmt: skip
+    golds = ["44", "44", "44", "44", "1044", "-44"]
+    assert accuracy(honest, golds) == [1.0] * len(honest)
+    # a non-integer gold keeps math-verify's equivalence: a fraction for 1.5
+    assert accuracy(["<answer>\\frac{3}{2}</answer>", "<answer>3/2</answer>"], ["1.5"] * 2) == [
+        1.0, 1.0,
+    ]  # fmt: skip

