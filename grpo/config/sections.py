@@ -83,6 +83,19 @@ class DataConfig(Strict):
             raise ValueError("ood_digits must exceed max_digits (the OOD set is harder)")
         if self.task == "files" and not self.train_path:
             raise ValueError("train_path is required when task is 'files'")
+        if self.task == "synthetic":
+            # every problem is a distinct pair a+b (either order) of numbers with min_digits to
+            # max_digits digits: more than exist would never finish drawing
+            values = sum(10 if d == 1 else 9 * 10 ** (d - 1)
+                         for d in range(self.min_digits, self.max_digits + 1))  # fmt: skip
+            pairs = values * (values + 1) // 2
+            wanted = self.num_heldout + self.num_sft_val + self.num_sft + self.num_train
+            if wanted > pairs * 0.9:  # drawing at random slows down as the pairs run out
+                raise ValueError(
+                    f"num_heldout + num_sft_val + num_sft + num_train = {wanted} problems, but "
+                    f"{self.min_digits}-{self.max_digits} digit numbers make only {pairs} "
+                    f"distinct sums; lower them (to about {int(pairs * 0.9)}) or raise max_digits"
+                )
         return self
 
 

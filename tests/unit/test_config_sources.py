@@ -170,3 +170,11 @@ def test_the_readmes_trl_example_loads(tmp_path):
     assert cfg.model.path == "/models/Qwen2.5-0.5B-Instruct"
     assert (cfg.grpo.lr, cfg.grpo.steps, cfg.grpo.advantage_mode) == (1e-6, 500, "zscore")
     assert cfg.grpo.reward_funcs[0] == "trl.rewards:accuracy_reward"
+
+
+def test_more_synthetic_problems_than_distinct_sums_are_refused_before_drawing():
+    # 1-2 digit numbers: 100 values, 5,050 sums a+b (either order); the defaults want 5,500
+    with pytest.raises(ConfigError, match=r"5500 problems, but 1-2 digit numbers make only 5050"):
+        load_config(None, ["data.max_digits=2", "data.ood_digits=3"])
+    cfg = load_config(None, ["data.max_digits=2", "data.ood_digits=3", "data.num_train=2000"])
+    assert cfg.data.num_train == 2000
