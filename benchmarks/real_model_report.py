@@ -38,7 +38,7 @@ def _curves(rows: list[dict], out: Path) -> None:
     steps = [r["step"] for r in rows]
     fig, ax = plt.subplots(1, 3, figsize=(13, 3.4))
     panels = (
-        ("reward", "training reward (accuracy + 0.1 format)"),
+        ("reward", "training reward (accuracy + soft overlong penalty)"),
         ("completions/mean_length", "completion tokens (mean)"),
         ("completions/clipped_ratio", "share hitting the token limit"),
     )
