@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import time
 from pathlib import Path
@@ -180,7 +179,6 @@ def main() -> None:
     if a.speed:
         lines += ["", "## The fast sampler on this model", ""] + _speed(Path(a.config), a.repeats)
     Path(a.out).write_text("\n".join(lines) + "\n")
-    shutil.copy(run_dir / "grpo" / "curves.png", ROOT / "benchmarks" / "real_model_run_curves.png")
     print("\n".join(lines))
 
 

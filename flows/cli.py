@@ -173,20 +173,20 @@ def main(argv: list[str] | None = None) -> None:
     from grpo.launch.environment import quiet_environment
 
     quiet_environment()  # quiet offline operation, before anything imports torch
-    if a.command != "serve":
-        from tasks.server_auth import CredentialsError, apply_to_environment
 
-        try:  # a served state directory's credentials, for its own servers only
-            apply_to_environment()
-        except CredentialsError as e:
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(2)
+    def run() -> None:
+        if a.command != "serve":
+            from tasks.server_auth import apply_to_environment
+
+            apply_to_environment()  # a served state directory's credentials, for its servers
+        a.fn(a)
+
     if a.debug:
         os.environ["GRPO_DEBUG"] = "1"  # ranks print their tracebacks too
-        a.fn(a)
+        run()
         return
     try:
-        a.fn(a)
+        run()
     except _user_errors() as e:
         print(f"error: {_one_line(e)}", file=sys.stderr)
         sys.exit(2)

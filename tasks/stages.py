@@ -273,9 +273,10 @@ def evaluate(cfg: Config, parent_id: str, models: dict[str, str], run_dir: Path)
         tracking.log_metrics(c, run_id, {k: v for k, v in metrics.items() if "/diff_vs_" in k})
         c.log_table(run_id, data=pd.DataFrame(table), artifact_file="comparison.json")
         create_table_artifact(key="evaluation", table=table, description="held-out accuracy")
-        create_markdown_artifact(key="evaluation-summary", markdown=markdown_rows(table))
+        markdown = markdown_rows(table)
+        create_markdown_artifact(key="evaluation-summary", markdown=markdown)
     return {"table": table, "metrics": metrics, "reports": reports, "paired": paired,
-            "markdown": markdown_rows(table)}  # fmt: skip
+            "markdown": markdown}  # fmt: skip
 
 
 @task(name="register-model", retries=2, retry_delay_seconds=5)

@@ -14,7 +14,12 @@ from grpo.config import Config, set_label
 from grpo.data.sets import eval_set, training_sets
 from grpo.launch.paths import base_model_dir
 from grpo.models.loading import load_tokenizer
-from grpo.models.prompts import eval_prompt_limit, model_context, prompt_token_counts
+from grpo.models.prompts import (
+    eval_prompt_limit,
+    left_out_line,
+    model_context,
+    prompt_token_counts,
+)
 from reward_fns import gold_parses
 from reward_fns.errors import UserError
 
@@ -131,9 +136,7 @@ def validate_datasets(cfg: Config, docs_dir: Path) -> dict[str, Any]:
             over = df[df["prompt_tokens"] > eval_limit]
             summary["left_out"] = [str(i) for i in over["id"]]
             if len(over):
-                ids = ", ".join(summary["left_out"][:5]) + (", ..." * (len(over) > 5))
-                print(f"{name}: {len(over)} prompts longer than the {eval_limit} tokens evaluation "
-                      f"can hold will be left out of evaluation (ids {ids})")  # fmt: skip
+                print(left_out_line(name, summary["left_out"], len(df), eval_limit))
         for vr in res.run_results.values():
             for r in vr.results:
                 if not r.success:

@@ -66,7 +66,6 @@ class Trainer:
                                zero_stage=cfg.deepspeed.zero_stage, device=self.device)  # fmt: skip
         # beta = 0: no KL term, and the reference is never loaded
         self.reference = Reference(cfg, policy_dir, self.device) if g.uses_reference else None
-        self.micro = micro
         self.scorer = RewardScorer(cfg)
         self.train_rows = training_sets(cfg)["train"]
         self.eval_rows: list[dict] = []
@@ -129,7 +128,7 @@ class Trainer:
         # 3. advantages, one per completion token [N, C]
         adv = token_advantages(g, ro, scores.rewards, completion_rows, texts, self.tok)
         t2 = time.time()
-        ref_logps = self.reference.logps(ro, self.micro) if self.reference else None
+        ref_logps = self.reference.logps(ro, self.plan.micro) if self.reference else None
         t3 = time.time()
         # 4. update: mu clipped policy-gradient passes
         m = self.update(ro, adv, ref_logps)

@@ -84,8 +84,10 @@ def sample_step(
         kept_rows.extend(rows)
         texts.extend(round_texts)
         scores.append(sc)
+        if rnd + 1 == rounds:  # no round left: whether more are needed does not matter
+            break
         informative += int((~flat_groups(g, sc.rewards, round_texts, rows, ro.group_size)).sum())
-        if rnd + 1 == rounds or not _needs_more(informative < local, world, device):
+        if not _needs_more(informative < local, world, device):
             break
         rows = rng.sample(train_rows, local)
     return Sampled(

@@ -56,7 +56,6 @@ class PlateauLR:
         self.min_delta = min_delta  # a smaller gain is noise, not an improvement
         self.scale, self.cuts_made, self.bad = 1.0, 0, 0
         self.best = math.inf
-        self.improved = False  # whether the last reported loss was a new best
 
     def __call__(self, step: int) -> float:
         """The LambdaLR multiplier at optimizer step `step`."""
@@ -65,8 +64,7 @@ class PlateauLR:
 
     def report(self, val_loss: float) -> bool:
         """Record one validation loss; True when training should stop."""
-        self.improved = val_loss < self.best - self.min_delta
-        if self.improved:
+        if val_loss < self.best - self.min_delta:
             self.best, self.bad = val_loss, 0
             return False
         self.bad += 1

@@ -14,7 +14,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -126,8 +126,7 @@ def train_reference(
     even by a run shorter than one validation interval."""
     s = cfg.sft
     plateau = PlateauLR(s.warmup_steps, s.patience, s.lr_cuts, s.lr_cut_factor)
-    epochs = range(s.max_epochs)
-    return _train(cfg, base_dir, out_dir, sets, plateau, epochs, plateau=plateau,
+    return _train(cfg, base_dir, out_dir, sets, range(s.max_epochs), plateau=plateau,
                   progress=progress)  # fmt: skip
 
 
@@ -139,19 +138,19 @@ def train_control(
     (max_seconds) or by following GRPO's pace file (follow), its learning rate annealed over
     that budget whatever the plateaus; its last weights go to out_dir."""
     budget = _Budget(max_seconds, follow)
-    lr_fn = paced_cosine(cfg.sft.warmup_steps, budget.fraction)
-    return _train(cfg, policy_dir, out_dir, sets, lr_fn, itertools.count(), budget=budget,
+    return _train(cfg, policy_dir, out_dir, sets, itertools.count(), budget=budget,
                   progress=False)  # fmt: skip
 
 
 def _train(
     cfg: Config, base_dir: str | Path, out_dir: str | Path, sets: dict[str, list[dict]],
-    lr_fn: Callable[[int], float], epochs: Iterable[int], *, plateau: PlateauLR | None = None,
-    budget: _Budget | None = None, progress: bool = True,
+    epochs: Iterable[int], *, plateau: PlateauLR | None = None, budget: _Budget | None = None,
+    progress: bool = True,
 ) -> dict[str, Any]:  # fmt: skip
-    """The SFT loop both runs share. With `plateau` (the reference) a validation that is a new
-    best saves the weights and plateaus end training; with `budget` (the control) every
-    validation saves and the spent budget ends training."""
+    """The SFT loop both runs share. With `plateau` (the reference) it is the learning rate, a
+    validation that is a new best saves the weights and plateaus end training; with `budget`
+    (the control) the rate anneals over the budget, every validation saves and the spent budget
+    ends training."""
     rank, world = init_distributed(cfg.deepspeed.timeout_s)
     device = device_for(cfg)
     torch.manual_seed(cfg.seed)
@@ -163,6 +162,7 @@ def _train(
     train = _encode(tok, sets["sft"], cfg)
     val = _encode(tok, sets["sft_val"], cfg)[rank::world]
     steps_per_epoch = math.ceil(len(train) / s.batch_size)
+    lr_fn = plateau if plateau is not None else paced_cosine(s.warmup_steps, budget.fraction)
     engine, _ = build_engine(
         model, cfg, micro_batch=s.batch_size // world, grad_accum=1, lr=s.lr,
         weight_decay=s.weight_decay, max_grad_norm=s.max_grad_norm, lr_fn=lr_fn,

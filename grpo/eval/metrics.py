@@ -63,7 +63,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, float]:
         "accuracy_ci_low": lo,
         "accuracy_ci_high": hi,
         # the last number in the text, whatever the format (first sample of each problem)
-        "accuracy_lenient": sum(bool(v[0].get("correct_lenient")) for v in by_id.values())
+        "accuracy_lenient": sum(bool(v[0]["correct_lenient"]) for v in by_id.values())
         / max(1, n_problems),
         "num_problems": float(n_problems),
         "samples": float(n),
@@ -94,8 +94,8 @@ def paired_difference(
 ) -> dict[str, float]:
     """b - a accuracy on the same problems (first sample each), with a 95% normal interval;
     key "correct_lenient" for the lenient reading."""
-    ca = {r["id"]: r.get(key, False) for r in a if r["sample"] == 0}
-    cb = {r["id"]: r.get(key, False) for r in b if r["sample"] == 0}
+    ca = {r["id"]: r[key] for r in a if r["sample"] == 0}
+    cb = {r["id"]: r[key] for r in b if r["sample"] == 0}
     ids = sorted(set(ca) & set(cb))
     d = [float(cb[i]) - float(ca[i]) for i in ids]
     n = len(d)
@@ -118,7 +118,7 @@ def markdown_table(report: dict[str, Any]) -> str:
         cells = [
             name, str(int(m["num_problems"])), f"{m['accuracy']:.3f}",
             f"[{m['accuracy_ci_low']:.3f}, {m['accuracy_ci_high']:.3f}]",
-            f"{m.get('accuracy_lenient', float('nan')):.3f}",
+            f"{m['accuracy_lenient']:.3f}",
             *(f"{m[k]:.3f}" if k in m else "" for k in ks),
             f"{m['mean_length']:.1f}", f"{m['truncation_rate']:.3f}",
             str(int(m.get("left_out", 0))),

@@ -17,7 +17,12 @@ from grpo.data.sets import eval_set
 from grpo.eval.metrics import markdown_table, summarize
 from grpo.models.generate import generate
 from grpo.models.loading import eos_token_ids
-from grpo.models.prompts import encode_prompts, eval_prompt_limit, split_by_prompt_length
+from grpo.models.prompts import (
+    encode_prompts,
+    eval_prompt_limit,
+    left_out_line,
+    split_by_prompt_length,
+)
 from grpo.progress import progress_bar
 from reward_fns import accuracy, extract_answer
 from reward_fns.accuracy import last_number_matches
@@ -111,11 +116,8 @@ def evaluate_model(
         rows = eval_set(name, cfg)[:limit] if limit else eval_set(name, cfg)
         rows, left_out = split_by_prompt_length(tok, cfg, rows, prompt_limit)
         if left_out:
-            ids = ", ".join(str(r["id"]) for r in left_out[:5]) + (
-                ", ..." if len(left_out) > 5 else ""
-            )
-            print(f"{name}: {len(left_out)} of {len(rows) + len(left_out)} prompts are longer than "
-                  f"the {prompt_limit} tokens evaluation can hold, left out (ids {ids})",
+            ids = [str(r["id"]) for r in left_out]
+            print(left_out_line(name, ids, len(rows) + len(left_out), prompt_limit),
                   file=sys.stderr)  # fmt: skip
         if shots:
             rows = [{**r, "prompt": shots + r["prompt"]} for r in rows]

@@ -133,11 +133,9 @@ def check_world_size(cfg: Config) -> None:
 
 def check_gguf(spec: str) -> None:
     """model.gguf names a file that exists, and the packages that read it are installed."""
-    from grpo.models.gguf import EXTRA, missing_packages, resolve_gguf
+    from grpo.models.gguf import check_readers, resolve_gguf
 
-    path = resolve_gguf(spec)
-    if missing := missing_packages():
-        raise PreflightError(f"{path}: reading GGUF needs {', '.join(missing)}: {EXTRA}")
+    check_readers(resolve_gguf(spec))
 
 
 def preflight(cfg: Config, *, model_dirs: list[str | Path] = (), train: bool = True) -> None:

@@ -39,17 +39,18 @@ def resolve_gguf(spec: str) -> Path:
     return path
 
 
-def missing_packages() -> list[str]:
-    return [n for n in NEEDS if importlib.util.find_spec(n) is None]
+def check_readers(gguf: Path) -> None:
+    """The packages transformers needs to read `gguf` are installed, or one line naming them."""
+    if missing := [n for n in NEEDS if importlib.util.find_spec(n) is None]:
+        raise ModelDirError(
+            f"{gguf}: reading GGUF needs the package(s) {', '.join(missing)}: {EXTRA}"
+        )
 
 
 def convert_gguf(gguf: Path, out: Path) -> Path:
     """Write the Hugging Face directory of `gguf` to `out` (atomically: under a temporary name,
     then renamed). float32 weights, the tokenizer with its chat template, the generation config."""
-    if missing := missing_packages():
-        raise ModelDirError(
-            f"{gguf}: reading GGUF needs the package(s) {', '.join(missing)}: {EXTRA}"
-        )
+    check_readers(gguf)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -9,7 +9,6 @@ from typing import Any
 import torch
 
 from grpo.config import Config
-from reward_fns.errors import UserError
 
 SYSTEM_PROMPT = (
     "Think step by step inside <think></think>, then give only the final answer inside "
@@ -42,37 +41,10 @@ def encode_prompts(
     return enc["input_ids"].to(device), enc["attention_mask"].to(device)
 
 
-class PromptLengthError(UserError, ValueError):
-    """A prompt does not fit grpo.max_prompt_length; the message names its source and row."""
-
-
 def prompt_token_counts(tok: Any, cfg: Config, prompts: list[str]) -> list[int]:
     """Tokens of each prompt as the model sees it (chat template included)."""
     texts = [render_prompt(tok, p, cfg) for p in prompts]
     return [len(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"]]
-
-
-def check_prompt_lengths(tok: Any, cfg: Config, rows: list[dict], source: str) -> None:
-    """Refuse, naming the source and row, a prompt longer than grpo.max_prompt_length tokens.
-
-    A prompt longer in characters than the limit times the longest token's spelling cannot fit
-    and is refused before tokenizing it (a 10 MB prompt costs no tokenizer memory).
-    """
-    limit = cfg.grpo.max_prompt_length
-    widest = max(len(t) for t in tok.get_vocab())
-    for i, r in enumerate(rows):
-        if len(r["prompt"]) > limit * widest:
-            raise PromptLengthError(
-                f"{source}: row {i} (id {r['id']}): prompt of {len(r['prompt']):,} characters "
-                f"cannot fit grpo.max_prompt_length={limit} tokens"
-            )
-    counts = prompt_token_counts(tok, cfg, [r["prompt"] for r in rows])
-    for i, (r, n) in enumerate(zip(rows, counts)):
-        if n > limit:
-            raise PromptLengthError(
-                f"{source}: row {i} (id {r['id']}): prompt of {n} tokens exceeds "
-                f"grpo.max_prompt_length={limit}"
-            )
 
 
 def model_context(model_dir: str | Path) -> int | None:
@@ -105,3 +77,10 @@ def split_by_prompt_length(
     counts = prompt_token_counts(tok, cfg, [r["prompt"] for r in short])
     fits = {id(r) for r, n in zip(short, counts) if n <= limit}
     return [r for r in rows if id(r) in fits], [r for r in rows if id(r) not in fits]
+
+
+def left_out_line(source: str, ids: list[str], total: int, limit: int) -> str:
+    """The one line that reports prompts left out of an evaluation, naming the first ids."""
+    shown = ", ".join(ids[:5]) + (", ..." if len(ids) > 5 else "")
+    return (f"{source}: {len(ids)} of {total} prompts are longer than the {limit} tokens "
+            f"evaluation can hold, left out (ids {shown})")  # fmt: skip

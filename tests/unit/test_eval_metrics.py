@@ -40,7 +40,15 @@ def test_wilson_interval_hand_value():
 
 
 def _rec(i, s, ok, ans="1"):
-    return {"id": i, "sample": s, "correct": ok, "extracted": ans, "length": 3, "truncated": False}
+    return {
+        "id": i,
+        "sample": s,
+        "correct": ok,
+        "correct_lenient": ok,
+        "extracted": ans,
+        "length": 3,
+        "truncated": False,
+    }
 
 
 def test_summarize_with_samples_and_paired_difference():
@@ -58,8 +66,9 @@ def test_the_printed_table_shows_pass_and_maj_at_k():
     from grpo.eval.metrics import markdown_table
 
     recs = [
-        {"id": str(i), "sample": j, "correct": (i + j) % 3 == 0, "extracted": str(j % 2),
-         "length": 5, "truncated": False}
+        {"id": str(i), "sample": j, "correct": (i + j) % 3 == 0,
+         "correct_lenient": (i + j) % 3 == 0, "extracted": str(j % 2), "length": 5,
+         "truncated": False}
         for i in range(6) for j in range(4)
     ]  # fmt: skip
     table = markdown_table({"model": "m", "sets": {"s": summarize(recs)}})
