@@ -99,8 +99,10 @@ def cmd_evaluate(a: argparse.Namespace) -> None:
 
 def cmd_pipeline(a: argparse.Namespace) -> None:
     from flows.pipeline import PipelineParams, grpo_pipeline
+    from flows.prefect_db import migrate_local_database
 
     _preflight(_config(a), tracking=True)
+    migrate_local_database()
     grpo_pipeline(PipelineParams(config=a.config, overrides=list(a.set or [])))
 
 

@@ -102,13 +102,24 @@ def package_version() -> str:
 
 def safe_params(cfg: Config) -> dict[str, str]:
     """Flattened config: keys that look like credentials left out, URL passwords masked."""
-    import re
+    return public_params(cfg.flat())
 
-    return {
-        k: re.sub(r"://[^/@\s]+@", "://***@", str(v))[:500]
-        for k, v in cfg.flat().items()
-        if not any(w in k.lower().split(".")[-1] for w in SECRET_WORDS)
-    }
+
+def public_params(flat: dict[str, Any]) -> dict[str, str]:
+    """Params without credentials: a key whose last part has a word of SECRET_WORDS is left
+    out (a count of tokens is not a token), user:password@ in URLs masked, values cut to 500.
+
+    >>> public_params({"eval.max_new_tokens": 8, "hub.hf_token": "t", "s3.Secret-Key": "k",
+    ...                "tracking.uri": "http://me:pw@host:5000"})
+    {'eval.max_new_tokens': '8', 'tracking.uri': 'http://***@host:5000'}
+    """
+
+    def secret(key: str) -> bool:
+        words = re.split(r"[^a-z0-9]+", key.lower().rsplit(".", 1)[-1])
+        return any(w in SECRET_WORDS for w in words)
+
+    masked = {k: re.sub(r"://[^/@\s]+@", "://***@", str(v)) for k, v in flat.items()}
+    return {k: v[:500] for k, v in masked.items() if not secret(k)}
 
 
 def safe_key(name: str) -> str:

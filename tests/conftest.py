@@ -1,4 +1,7 @@
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 from grpo.launch.environment import quiet_environment
 
@@ -7,3 +10,41 @@ quiet_environment()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# the tests' flow runs, servers and profiles never land in the user's own Prefect home
+# (~/.prefect): each test process, and every process it starts, gets its own, removed after
+USER_PREFECT_HOME = Path(os.environ.get("PREFECT_HOME", "~/.prefect")).expanduser()
+TEST_PREFECT_HOME = tempfile.mkdtemp(prefix="grpo-test-prefect-")
+os.environ["PREFECT_HOME"] = TEST_PREFECT_HOME
+os.environ.pop("PREFECT_API_URL", None)
+os.environ.pop("PREFECT_PROFILES_PATH", None)
+
+
+def _snapshot(home: Path) -> dict[str, int]:
+    files = home.rglob("*") if home.is_dir() else []
+    return {str(f): f.stat().st_mtime_ns for f in files if f.is_file()}
+
+
+USER_PREFECT_BEFORE = _snapshot(USER_PREFECT_HOME)
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:  # noqa: ANN001, ARG001
+    shutil.rmtree(TEST_PREFECT_HOME, ignore_errors=True)
+    if _snapshot(USER_PREFECT_HOME) != USER_PREFECT_BEFORE:
+        print(f"\nerror: the tests wrote into the user's Prefect home {USER_PREFECT_HOME}")
+        session.exitstatus = 1
+
+
+# the slowest modules first (measured with --durations), so that two workers (-n 2 --dist
+# loadfile) do not end with one of them alone on a long module
+SLOW_FIRST = ("test_serve", "test_ranks", "test_failures", "test_pipeline", "test_install",
+              "test_real_model_path", "test_smollm2", "test_benchmark_scripts", "test_resume",
+              "test_faults")  # fmt: skip
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:  # noqa: ANN001, ARG001
+    def rank(item) -> int:  # noqa: ANN001
+        stem = Path(str(item.fspath)).stem
+        return SLOW_FIRST.index(stem) if stem in SLOW_FIRST else len(SLOW_FIRST)
+
+    items.sort(key=rank)  # stable: a module's tests stay together and in their order

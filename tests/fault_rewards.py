@@ -16,6 +16,20 @@ def overflow(completions, **kw):
     return [3e38 if i % 2 else -3e38 for i in range(len(completions))]
 
 
+def overflow_from_step2(completions, **kw):
+    # a finite first step (a checkpoint is written), then the overflow above
+    _calls["overflow"] = _calls.get("overflow", 0) + 1
+    if _calls["overflow"] == 1:
+        return [float(i % 2) for i in range(len(completions))]
+    return overflow(completions)
+
+
+def zero_from_step2(completions, **kw):
+    # overflow_from_step2's first step, then nothing to learn (every advantage zero)
+    _calls["zero"] = _calls.get("zero", 0) + 1
+    return [float(i % 2) if _calls["zero"] == 1 else 0.0 for i in range(len(completions))]
+
+
 def kill_rank1_at_step3(completions, **kw):
     _calls["n"] += 1
     if os.environ.get("RANK") == "1" and _calls["n"] == 3:

@@ -30,7 +30,6 @@ SMALL = [
     "grpo.max_completion_length=24",
     "grpo.eval_every=0",
     "grpo.checkpoint_every=1",
-    "deepspeed.master_port=29631",
 ]
 
 

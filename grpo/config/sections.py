@@ -131,7 +131,11 @@ class DeepSpeedConfig(Strict):
     offload_optimizer: bool = False
     nproc: int = Field(1, ge=1, description="ranks on this node (GPUs, or CPU processes)")
     hostfile: str | None = Field(None, description="DeepSpeed hostfile for several nodes")
-    master_port: int = Field(29511, gt=1024, lt=65536)
+    master_port: int | None = Field(
+        None, gt=1024, lt=65536,
+        description="rank 0's rendezvous port; unset: a free port is picked at each launch, so "
+        "that two runs on one machine never collide",
+    )  # fmt: skip
     timeout_s: int = Field(600, gt=0, description="collective timeout: a dead rank fails others")
 
 

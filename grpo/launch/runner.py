@@ -46,10 +46,20 @@ def _distributed(cfg: Config) -> bool:
     return cfg.deepspeed.nproc > 1 or cfg.deepspeed.hostfile is not None
 
 
+def free_port() -> int:
+    """A TCP port nothing listens on now (the kernel's pick), for rank 0's rendezvous."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
 def launcher_command(cfg: Config, stage: str, config_path: Path, *args: str) -> list[str]:
     """The `deepspeed` launcher command that starts the ranks of one stage."""
     ds = cfg.deepspeed
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(ds.master_port)]
+    port = ds.master_port or free_port()
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(port)]
     if ds.hostfile:
         cmd += ["--hostfile", ds.hostfile]
     else:

@@ -39,7 +39,7 @@ def test_process_vs_outcome_runs_and_reports(tmp_path):
         [sys.executable, str(ROOT / "benchmarks" / "process_vs_outcome.py"), "--reference",
          str(ref), "--variant", "outcome=", "--variant",
          "process=grpo.advantage_mode=process;grpo.process_outcome_weight=0.5", *sets,
-         "--set", f"output_dir={tmp_path}", "--set", "deepspeed.master_port=29645",
+         "--set", f"output_dir={tmp_path}",
          "--out", str(tmp_path / "out"), "--report-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip

@@ -55,6 +55,12 @@ def test_end_to_end_logs_registers_and_loads(store):
     assert "grpo - sft_continued" in buf.getvalue()  # GRPO against its equal-time control
     c = MlflowClient(uri, uri)
     parent = c.get_run(result["parent_run_id"])
+    # the printed table holds the logged numbers: each set's line, each model's accuracy
+    lines = {ln.split()[1]: ln for ln in buf.getvalue().splitlines() if ln.startswith("│ synth")}
+    for s in ("synthetic", "synthetic_ood"):
+        for label in ("reference", "grpo", "sft_continued"):
+            acc = parent.data.metrics[f"{label}/eval/{s}/accuracy"]
+            assert f"{acc:.3f}" in lines[s], (s, label)
     assert parent.info.status == "FINISHED"
     assert parent.data.params["grpo.num_generations"] == "4"
     assert parent.data.tags["mlflow.source.git.commit"] and parent.data.tags["data_hash"]
@@ -118,8 +124,12 @@ def test_end_to_end_logs_registers_and_loads(store):
         and mv.tags["promotion"] == result["registered"]["reason"]
     )
     assert "GRPO policy of run" in mv.description and "| synthetic |" in mv.description
-    # two steps of GRPO do not beat the reference beyond noise: the gate keeps it challenger
-    assert result["registered"]["champion"] == (mv.tags["gate/decision"] == "promoted")
+    # a first version: @champion is set iff the paired lower bound over its reference (the
+    # evidence on the version, whose difference is the parent's metric) is above 0
+    evidence = {k: float(mv.tags[f"gate/vs_reference/{k}"]) for k in ("diff", "ci_low")}
+    assert evidence["diff"] == pytest.approx(pm["grpo/eval/synthetic/diff_vs_reference"], abs=1e-6)
+    is_champion = c.get_registered_model("tiny-e2e").aliases.get("champion") == mv.version
+    assert is_champion == (evidence["ci_low"] > 0) == result["registered"]["champion"]
 
     # models:/NAME@champion loads and generates
     from grpo.config import load_config
@@ -132,6 +142,12 @@ def test_end_to_end_logs_registers_and_loads(store):
     ids = tok(["12+3="], return_tensors="pt")
     out = model.generate(**ids, max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id)
     assert out.shape[1] > ids["input_ids"].shape[1]
+    # what the registry serves is the GRPO stage's final policy, weight for weight
+    from safetensors.torch import load_file
+
+    (trained,) = (tmp / "runs").rglob("grpo/policy/model.safetensors")
+    served, own = load_file(Path(path) / "model.safetensors"), load_file(trained)
+    assert served.keys() == own.keys() and all(served[k].equal(own[k]) for k in own)
 
 
 def test_the_gate_on_real_registry_state(store):
@@ -220,17 +236,14 @@ def test_failing_validation_stops_before_training(store, tmp_path):
     assert "in_training_data" in msg and "x1" in msg
     assert "answer_parses" in msg and "x2" in msg
     c = MlflowClient(uri, uri)
-    failed = c.search_runs(
-        [e.experiment_id for e in c.search_experiments()], "attributes.status = 'FAILED'"
-    )
-    parent_ids = {r.info.run_id for r in failed if "mlflow.parentRunId" not in r.data.tags}
-    assert parent_ids
-    for pid in parent_ids:
-        kids = c.search_runs(
-            [e.experiment_id for e in c.search_experiments()],
-            f"tags.mlflow.parentRunId = '{pid}'",
-        )
-        assert {r.info.run_name for r in kids} == {"validate"}  # nothing trained
+    exps = [e.experiment_id for e in c.search_experiments()]
+    # this pipeline's parent run (other tests share the store): the one evaluating `leaked`
+    (parent,) = [r for r in c.search_runs(exps) if "mlflow.parentRunId" not in r.data.tags
+                 and str(leaked) in r.data.params.get("eval.sets", "")]  # fmt: skip
+    assert parent.info.status == "FAILED"
+    kids = c.search_runs(exps, f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    assert {r.info.run_name for r in kids} == {"validate"}  # nothing trained
+    assert kids[0].info.status == "FAILED"
 
 
 def test_sft_reference_cache_hit(tmp_path):

@@ -49,7 +49,9 @@ def test_trl_doc_functions_get_trls_arguments_on_plain_prompts(tmp_path):
     # an untrained model runs long: past 24 - 8 = 16 tokens the penalty is below 0
     assert -1.0 <= metrics[0]["rewards/soft_overlong/mean"] < 0
     assert metrics[0]["completions/max_length"] > 16
-    assert metrics[0]["rewards/reward_len/mean"] < 0
+    for call, m in zip(seen, metrics, strict=True):  # the doc's reward, recomputed
+        lens = [-abs(20 - len(c)) for c in call["completions"]]
+        assert m["rewards/reward_len/mean"] == pytest.approx(sum(lens) / len(lens))
     # log_metric and log_extra reach metrics.jsonl and completions.jsonl
     assert [m["my_metric"] for m in metrics] == [0.5, 1.5]
     samples = _lines(tmp_path / "grpo" / "completions.jsonl")
@@ -77,8 +79,15 @@ def test_trls_own_rewards_on_chat_format_prompts(tmp_path):
     )  # fmt: skip
     _, metrics = _train(cfg, model, tmp_path / "grpo")
     assert [m["step"] for m in metrics] == [1, 2]
-    for name in ("accuracy_reward", "think_format_reward", "format_reward_func"):
-        assert 0.0 <= metrics[-1][f"rewards/{name}/mean"] <= 1.0
+    # each logged mean is TRL's function recomputed on what it was given (None: not scored)
+    from trl.rewards import accuracy_reward, think_format_reward
+
+    fns = {"accuracy_reward": accuracy_reward, "think_format_reward": think_format_reward,
+           "format_reward_func": trl_doc_rewards.format_reward_func}  # fmt: skip
+    for seen, m in zip(trl_doc_rewards.SEEN, metrics, strict=True):
+        for name, fn in fns.items():
+            vals = [v for v in fn(seen["completions"], solution=seen["solution"]) if v is not None]
+            assert m[f"rewards/{name}/mean"] == pytest.approx(sum(vals) / len(vals)), name
     first = trl_doc_rewards.SEEN[0]
     assert first["completions"][0][0]["role"] == "assistant"
     assert [m["role"] for m in first["prompts"][0]] == ["system", "user"]

@@ -4,6 +4,7 @@ import inspect
 import re
 
 import pytest
+import torch
 
 from grpo.config import Config, ConfigError, GRPOConfig, load_config
 from tests.helpers import ROOT
@@ -46,7 +47,13 @@ def test_allowed_names_come_from_the_registries():
     # a newly registered aggregation becomes a valid config value, with no list to edit
     loss_aggregation("sum_of_everything")(lambda per_token, m, max_len, num_items: per_token.sum())
     try:
-        assert load_config(None, ["grpo.loss_type=sum_of_everything"]).grpo.loss_type
+        g = load_config(None, ["grpo.loss_type=sum_of_everything"]).grpo
+        assert g.loss_type == "sum_of_everything"
+        # and the loss reduces with it: the plain sum of the per-token terms
+        from grpo.algo.loss import aggregate
+
+        per_token, mask = torch.tensor([[1.0, 2.0], [3.0, 4.0]]), torch.ones(2, 2)
+        assert float(aggregate(per_token, mask, g.loss_type, 2, 4.0)) == 10.0
     finally:
         del LOSS_AGGREGATIONS["sum_of_everything"]
 
