@@ -103,7 +103,8 @@ def cmd_pipeline(a: argparse.Namespace) -> None:
 
     _preflight(_config(a), tracking=True)
     migrate_local_database()
-    grpo_pipeline(PipelineParams(config=a.config, overrides=list(a.set or [])))
+    params = PipelineParams(config=a.config, overrides=list(a.set or []), control=not a.no_control)
+    grpo_pipeline(params)
 
 
 def cmd_promote(a: argparse.Namespace) -> None:
@@ -158,7 +159,10 @@ def main(argv: list[str] | None = None) -> None:
     e.add_argument("--limit", type=int)
     e.add_argument("--out")
     e.add_argument("--baseline", help="second model evaluated on the same problems and samples")
-    add("pipeline", cmd_pipeline, "the whole Prefect pipeline")
+    pl = add("pipeline", cmd_pipeline, "the whole Prefect pipeline")
+    pl.add_argument("--no-control", action="store_true",
+                    help="skip the SFT-continued control (GRPO is then compared with its "
+                    "reference only)")  # fmt: skip
     pr = add("promote", cmd_promote, "point an alias (default champion) at a model version")
     pr.add_argument("--version", required=True)
     pr.add_argument("--alias", default="champion")

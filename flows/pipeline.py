@@ -41,7 +41,7 @@ def grpo_pipeline(params: PipelineParams = PipelineParams()) -> dict[str, Any]: 
         tags={"mlflow.source.git.commit": tracking.git_commit(), "mlflow.source.type": "JOB",
               "mlflow.source.name": "flows/pipeline.py:grpo_pipeline",
               "config_digest": cfg.digest(), "data_hash": cfg.digest("data"),
-              "pipeline_version": tracking.package_version()},
+              "pipeline_version": tracking.package_version(), **tracking.machine_tags()},
     )  # fmt: skip
     pid = parent.info.run_id
     _link_mlflow_run(tracking.tracking_uri(cfg), exp_id, pid)

@@ -21,7 +21,7 @@ def child_run(cfg: Config, parent_id: str, name: str) -> str:
     run = c.create_run(
         parent.info.experiment_id,
         run_name=name,
-        tags={"mlflow.parentRunId": parent_id, "stage": name},
+        tags={"mlflow.parentRunId": parent_id, "stage": name, **tracking.machine_tags()},
     )
     return run.info.run_id
 

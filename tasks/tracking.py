@@ -80,6 +80,31 @@ def client(cfg: Config) -> Any:
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
+# settings that change which CPU kernels run, so the numbers a seed gives (README "Reproducing")
+NUMERICS_VARS = ("MKL_CBWR", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS")
+
+
+def machine_tags() -> dict[str, str]:
+    """Run tags naming the machine behind the numbers: CPU model, the instruction set torch's
+    kernels use, cores and threads, and any variable of NUMERICS_VARS that is set."""
+    import platform
+
+    import torch
+
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines()
+             if ln.startswith("model name")] if cpuinfo.exists() else []  # fmt: skip
+    tags = {
+        "host.cpu": names[0] if names else platform.processor() or platform.machine(),
+        "host.cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "host.cpu_count": str(os.cpu_count()),
+        "host.torch_threads": str(torch.get_num_threads()),
+        "host.torch": torch.__version__,
+    }
+    tags.update({f"host.env.{k}": os.environ[k] for k in NUMERICS_VARS if k in os.environ})
+    return tags
+
+
 def git_commit() -> str:
     try:
         out = subprocess.run(

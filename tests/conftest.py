@@ -10,6 +10,10 @@ quiet_environment()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if "PYTEST_XDIST_WORKER" in os.environ:
+    # two test workers share the machine's cores: one thread each (and in the processes they
+    # start) instead of every process spinning up one per core
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # the tests' flow runs, servers and profiles never land in the user's own Prefect home
 # (~/.prefect): each test process, and every process it starts, gets its own, removed after

@@ -71,7 +71,9 @@ def reference_dir(cfg: Config) -> Path:
     """
     if not cfg.sft.enabled:
         return base_model_dir(cfg)
-    h = hashlib.sha256(cfg.digest("model", "data", "sft", "seed").encode())
+    # how the control runs (sft.control) does not change the reference it starts from
+    keyed = cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"control": "auto"})})
+    h = hashlib.sha256(keyed.digest("model", "data", "sft", "seed").encode())
     for f in (cfg.data.train_path, cfg.data.sft_path):
         if f and Path(f).is_file():
             h.update(file_digest(Path(f)).encode())

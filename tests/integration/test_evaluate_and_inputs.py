@@ -81,6 +81,15 @@ def test_cli_refuses_a_broken_config_naming_the_field(tmp_path):
     assert out.returncode == 2
     assert "grpo.lr: Input should be greater than 0" in out.stderr
     assert "sft.bogus: unknown key" in out.stderr
+    assert "Traceback" not in out.stderr and out.stderr.startswith("error: ")
+    # --debug: the same error with its traceback, raised (exit 1), for a bug report
+    debug = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "--debug", "sft", "--set", "grpo.lr=-1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert debug.returncode == 1
+    assert "Traceback (most recent call last)" in debug.stderr
+    assert "grpo.config.ConfigError: invalid config" in debug.stderr
 
 
 def test_model_directory_without_tokenizer_is_refused(tmp_path):

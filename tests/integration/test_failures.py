@@ -122,15 +122,23 @@ def test_an_error_inside_a_rank_reaches_the_user_as_one_line(tmp_path):
 
 
 def test_two_pipelines_on_a_fresh_store_both_finish(tmp_path):
-    """Two pipelines started at once against a new sqlite store and the same SFT cache."""
+    """Two pipelines started at once against a new sqlite store, a new Prefect home and the same
+    SFT cache: one without the control (--no-control), one with the sequential control."""
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")  # fresh: both migrate it at once
     args = [sys.executable, "-m", "flows.cli", "pipeline", *_sets(tmp_path, "grpo.eval_every=0",
             "tracking.registered_model=concurrent")]  # fmt: skip
+    variants = [["--no-control"], ["--set", "sft.control=sequential"]]
     procs = [
         subprocess.Popen(
-            args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            args + extra,
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )  # fmt: skip
-        for _ in range(2)
+        for extra in variants
     ]
     outs = [p.communicate(timeout=900)[0] for p in procs]
     (tmp_path / "outs.txt").write_text("\n=====\n".join(outs))
@@ -143,4 +151,24 @@ def test_two_pipelines_on_a_fresh_store_both_finish(tmp_path):
     assert sorted(int(v.version) for v in versions) == [1, 2]
     challenger = c.get_model_version_by_alias("concurrent", "challenger")
     assert challenger.version in {v.version for v in versions}
+    # one reference for both: how the control runs is not part of its cache key
     assert len(list((tmp_path / "runs" / "sft").glob("*/model.safetensors"))) == 1
+    exp = c.get_experiment_by_name("grpo-tiny")
+    runs = c.search_runs([exp.experiment_id])
+    parents = {
+        r.data.params["sft.control"]: r for r in runs if "mlflow.parentRunId" not in r.data.tags
+    }
+    kids = {mode: {r.info.run_name: r for r in runs
+                   if r.data.tags.get("mlflow.parentRunId") == p.info.run_id}
+            for mode, p in parents.items()}  # fmt: skip
+    assert "sft-control" not in kids["auto"]  # --no-control
+    assert "sft_continued/eval/synthetic/accuracy" not in parents["auto"].data.metrics
+    ctl = kids["sequential"]["sft-control"]
+    assert ctl.data.tags["control_mode"] == "sequential"
+    # after GRPO, for GRPO's training seconds: less than the GRPO run's wall time (which adds
+    # the start and the logging), and not cut short
+    g = kids["sequential"]["grpo"].info
+    grpo_wall = (g.end_time - g.start_time) / 1000
+    assert 0.3 * grpo_wall <= ctl.data.metrics["sft_control/seconds"] <= grpo_wall
+    assert ctl.info.start_time >= g.end_time
+    assert "grpo/eval/synthetic/diff_vs_control" in parents["sequential"].data.metrics

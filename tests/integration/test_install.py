@@ -44,7 +44,7 @@ def test_a_wheel_install_runs_the_pipeline_elsewhere(tmp_path):
     assert Path(where.stdout.strip()).is_relative_to(site), where.stdout + where.stderr
     sets = [a for s in [*SMALL, "grpo.eval_every=0"] for a in ("--set", s)]
     run = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "pipeline", *sets], cwd=work, env=env,
+        [sys.executable, "-m", "flows.cli", "pipeline", "--no-control", *sets], cwd=work, env=env,
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]

@@ -65,11 +65,18 @@ def test_end_to_end_logs_registers_and_loads(store):
     assert parent.data.params["grpo.num_generations"] == "4"
     assert parent.data.tags["mlflow.source.git.commit"] and parent.data.tags["data_hash"]
     assert parent.data.tags["pipeline_version"] == "0.1.0"  # from the package metadata
+    # the machine behind the numbers, on the parent and on each stage run
+    import torch
+
+    assert parent.data.tags["host.cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert parent.data.tags["host.cpu_count"] == str(os.cpu_count())
+    assert parent.data.tags["host.cpu"]
     children = c.search_runs(
         [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
     )
     by_name = {r.info.run_name: r for r in children}
     assert {"validate", "sft", "grpo", "sft-control", "evaluate"} <= set(by_name)
+    assert all(r.data.tags["host.cpu"] == parent.data.tags["host.cpu"] for r in children)
     grpo_run = by_name["grpo"].info.run_id
     # on the CPU the control trains beside GRPO, each on half the cores, until GRPO is done
     ctl = by_name["sft-control"].data

@@ -299,15 +299,16 @@ def test_a_triggered_deployment_runs_on_the_worker_and_lands_in_the_mlflow_serve
     assert rc == 0, s.out.read_text()[-2000:]
     time.sleep(1)
     assert not _alive(below), _alive(below)
-    # after serve, a plain pipeline in the same state directory uses its own sqlite store
+    # after serve, a plain command in the same state directory resolves its own sqlite store,
+    # not serve's (a plain pipeline's store: tests/integration/test_install.py)
     env = {k: v for k, v in os.environ.items() if k not in s.client_env()}
-    out = subprocess.run(
-        [str(Path(sys.executable).with_name("grpo")), "pipeline", "--config", str(s.config),
-         "--set", "grpo.steps=1"],
-        cwd=s.state, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    code = ("from grpo.config import load_config; from tasks.tracking import tracking_uri; "
+            "from tasks.server_auth import apply_to_environment; apply_to_environment(); "
+            f"print(tracking_uri(load_config({str(s.config)!r}, [])))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], cwd=s.state, env=env,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
-    assert (s.state / "mlflow.db").exists()
+    assert out.stdout.strip() == f"sqlite:///{s.state / 'mlflow.db'}"
 
 
 def test_serve_reports_a_dead_mlflow_server_and_stops_the_rest(tmp_path):

@@ -285,3 +285,51 @@ def test_a_reference_shorter_than_one_validation_is_still_written(tmp_path):
     assert (tmp_path / "ref" / "config.json").exists()
     logged = [json.loads(x) for x in (tmp_path / "ref_metrics.jsonl").open()]
     assert [r["step"] for r in logged] == [2]
+
+
+def test_sft_stops_at_its_plateau_keeps_its_best_weights_and_force_rebuilds(tmp_path):
+    """16 worked solutions at a high rate: validation loss bottoms out and the plateau (no cut
+    left) stops SFT long before max_epochs. The reference on disk is the best validation's, as a
+    separate forward recomputes; `grpo sft` reuses it, `grpo sft --force` rebuilds the same."""
+    import json
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    from grpo.data.sets import training_sets
+    from grpo.engine.sft import _collate, _encode
+    from grpo.launch.runner import run_sft
+    from grpo.models.loading import load_tokenizer
+    from tests.helpers import SMALL
+
+    sets = ["data.num_sft=16", "data.num_sft_val=8", "sft.lr=0.03", "sft.eval_every=1",
+            "sft.patience=2", "sft.lr_cuts=0", "sft.max_epochs=300",
+            "sft.warmup_steps=0"]  # fmt: skip
+    cfg = small_config(tmp_path, *sets)
+    out = run_sft(cfg, log=lambda s: None)
+    summary = json.loads((out / "sft_summary.json").read_text())
+    losses = [h["val_loss"] for h in summary["history"]]
+    assert summary["early_stopped"] and summary["steps"] < 300
+    assert summary["best_val_loss"] == min(losses) < losses[0]
+    assert losses[-1] >= summary["best_val_loss"]  # it ended on validations without a gain
+    # the weights kept are the best validation's
+    tok = load_tokenizer(out)
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    batch = _collate(_encode(tok, training_sets(cfg)["sft_val"], cfg), tok.pad_token_id, "cpu")
+    with torch.no_grad():
+        loss = model(**batch).loss
+    assert float(loss) == pytest.approx(summary["best_val_loss"], rel=1e-4)
+
+    weights = out / "model.safetensors"
+    stamp, before = weights.stat().st_mtime_ns, weights.read_bytes()
+    cli = [sys.executable, "-m", "flows.cli", "sft"]
+    for s in [*SMALL, *sets, f"output_dir={tmp_path}"]:
+        cli += ["--set", s]
+    again = subprocess.run(cli, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert again.returncode == 0 and "cache hit" in again.stdout + again.stderr
+    assert weights.stat().st_mtime_ns == stamp
+    forced = subprocess.run([*cli, "--force"], capture_output=True, text=True, timeout=300,
+                            cwd=tmp_path)  # fmt: skip
+    assert forced.returncode == 0, forced.stderr[-2000:]
+    assert weights.stat().st_mtime_ns != stamp and weights.read_bytes() == before  # seeded
