@@ -55,6 +55,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def hostfile_hosts(path: Path) -> list[str]:
+    """The host names of a DeepSpeed hostfile ("host slots=N" lines; # starts a comment)."""
+    lines = (ln.split("#", 1)[0].split() for ln in path.read_text().splitlines())
+    return [words[0] for words in lines if words]
+
+
+def _local_names() -> set[str]:
+    import socket
+
+    return {"localhost", "127.0.0.1", socket.gethostname()}
+
+
 def launcher_command(cfg: Config, stage: str, config_path: Path, *args: str) -> list[str]:
     """The `deepspeed` launcher command that starts the ranks of one stage."""
     ds = cfg.deepspeed
@@ -62,6 +74,10 @@ def launcher_command(cfg: Config, stage: str, config_path: Path, *args: str) -> 
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(port)]
     if ds.hostfile:
         cmd += ["--hostfile", ds.hostfile]
+        if all(h in _local_names() for h in hostfile_hosts(Path(ds.hostfile))):
+            # every slot on this machine: DeepSpeed would still ssh to it (to check, and for
+            # rank 0's address), which a machine without an ssh server refuses
+            cmd += ["--no_ssh_check", "--master_addr", "127.0.0.1"]
     else:
         cmd += ["--num_gpus", str(ds.nproc)]
     return cmd + ["--module", "grpo.launch.worker", stage, "--config", str(config_path), *args]

@@ -1,5 +1,7 @@
 """The GRPO trainer on a real tiny Qwen2: one step learns, beta = 0 loads no reference."""
 
+import math
+
 import pytest
 import torch
 
@@ -333,3 +335,82 @@ def test_sft_stops_at_its_plateau_keeps_its_best_weights_and_force_rebuilds(tmp_
                             cwd=tmp_path)  # fmt: skip
     assert forced.returncode == 0, forced.stderr[-2000:]
     assert weights.stat().st_mtime_ns != stamp and weights.read_bytes() == before  # seeded
+
+
+@pytest.mark.parametrize(("source", "ratio"), [("recompute", 1.0), ("sampler", 0.904837)])
+def test_old_logprobs_come_from_the_configured_source(tmp_path, source, ratio):
+    """mu = 2 with a rate too small to move the weights: pi_old is the first pass's own forward
+    (recompute: every ratio exactly 1) or the sampler's log-probs, here the true ones + 0.1
+    (sampler: every ratio exp(-0.1) = 0.904837)."""
+    from grpo.engine.loop import Trainer
+
+    cfg = small_config(tmp_path, "grpo.mu=2", "grpo.lr=1e-12", "grpo.warmup_steps=0",
+                       f"grpo.old_logprobs={source}")  # fmt: skip
+    t = Trainer(cfg, base_model_dir(cfg), tmp_path / "grpo")
+    ro = fixed_rollout(t.tok, ["<answer>46</answer>", "<answer>4</answer>"])
+    from grpo.algo.logprobs import token_logprobs
+    from grpo.models.forward import completion_logits
+
+    with torch.no_grad():
+        logits = completion_logits(t.engine.module, ro.prompt_ids, ro.prompt_mask,
+                                   ro.completion_ids, ro.completion_mask)  # fmt: skip
+        ro.sampling_logps = (token_logprobs(logits, ro.completion_ids) + 0.1) * ro.completion_mask
+    m = t.update(ro, per_token(torch.tensor([1.0, -1.0]), ro), None)
+    assert m["ratio_mean"] == pytest.approx(ratio, abs=1e-5)
+
+
+def test_offloading_the_optimizer_changes_nothing_but_where_it_lives(tmp_path):
+    """ZeRO-2 with the optimizer state on the CPU (offload_optimizer) takes the same step as
+    without: same weights after one update."""
+    from grpo.engine.loop import Trainer
+
+    after = {}
+    for offload in (False, True):
+        cfg = small_config(tmp_path / str(offload), "grpo.lr=0.01", "grpo.warmup_steps=0",
+                           "deepspeed.zero_stage=2",
+                           f"deepspeed.offload_optimizer={offload}")  # fmt: skip
+        t = Trainer(cfg, base_model_dir(cfg), tmp_path / str(offload) / "grpo")
+        ro = fixed_rollout(t.tok, ["<answer>46</answer>", "<answer>4</answer>"])
+        t.update(ro, per_token(torch.tensor([1.0, -1.0]), ro), None)
+        after[offload] = {k: v.detach().clone() for k, v in t.engine.module.state_dict().items()}
+        zero_cfg = t.engine.config["zero_optimization"]
+        assert ("offload_optimizer" in zero_cfg) == offload
+    base = base_model_dir(small_config(tmp_path))
+    from safetensors.torch import load_file
+
+    start = load_file(base / "model.safetensors")
+    assert any(not after[False][k].equal(start[k]) for k in start)  # the step moved weights
+    for k in after[False]:
+        torch.testing.assert_close(after[True][k], after[False][k], atol=1e-6, rtol=1e-5)
+
+
+def test_a_bfloat16_policy_trains_and_samples_close_to_its_forward(tmp_path):
+    """model.dtype bfloat16: the weights stay bf16 (DeepSpeed's bf16 mode), an update moves
+    them, and the sampler's log-probs agree with a teacher-forced forward to bf16's precision."""
+    from grpo.algo.logprobs import token_logprobs
+    from grpo.engine.loop import Trainer
+    from grpo.models.forward import completion_logits
+    from grpo.models.generate import generate
+
+    cfg = small_config(tmp_path, "model.dtype=bfloat16", "grpo.lr=0.01", "grpo.warmup_steps=0")
+    t = Trainer(cfg, base_model_dir(cfg), tmp_path / "grpo")
+    assert {p.dtype for p in t.engine.module.parameters()} == {torch.bfloat16}
+    assert t.engine.config["bf16"]["enabled"]
+    ro = fixed_rollout(t.tok, ["<answer>46</answer>", "<answer>4</answer>"])
+    before = [p.detach().clone() for p in t.engine.module.parameters()]
+    m = t.update(ro, per_token(torch.tensor([1.0, -1.0]), ro), None)
+    assert any(not torch.equal(a, b) for a, b in zip(before, t.engine.module.parameters()))
+    assert math.isfinite(m["loss"]) and m["grad_norm"] > 0
+    model = t.engine.module
+    p = t.tok(["12+34=", "7+8="], return_tensors="pt", padding=True)
+    torch.manual_seed(0)
+    ro = generate(model, p["input_ids"], p["attention_mask"], num_generations=4,
+                  max_completion_length=16, eos_token_id=t.tok.eos_token_id,
+                  pad_token_id=t.tok.pad_token_id, engine="fast")  # fmt: skip
+    with torch.no_grad():
+        logits = completion_logits(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
+                                   ro.completion_mask)  # fmt: skip
+    forward = token_logprobs(logits, ro.completion_ids) * ro.completion_mask
+    # bf16 keeps 8 bits of mantissa: agreement to a few 1e-2 in log-prob, not fp32's 1e-5
+    torch.testing.assert_close(ro.sampling_logps.float() * ro.completion_mask, forward.float(),
+                               atol=0.1, rtol=0)  # fmt: skip
