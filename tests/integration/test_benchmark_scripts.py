@@ -64,5 +64,12 @@ def test_utilization_counts_the_matmuls_of_both_phases(tmp_path):
             if line.startswith("| sampling") or line.startswith("| update")}  # fmt: skip
     assert set(rows) == {"sampling", "update"}
     for cells in rows.values():
-        gflop, share = float(cells[3]), float(cells[8].strip().rstrip("%"))
-        assert gflop > 0 and 0 < share < 200  # a share, noisy but not absurd
+        seconds, gflop, calls = float(cells[2]), float(cells[3]), int(cells[4].split()[0])
+        achieved, matmul, ideal = float(cells[5]), float(cells[6]), float(cells[7])
+        share = float(cells[8].strip().rstrip("%")) / 100
+        assert gflop > 0 and calls > 0
+        # the report's arithmetic (to its printed rounding): FLOP/s achieved = FLOP / s, the
+        # ideal time = FLOP at torch.matmul's speed, the share = achieved / matmul = ideal / s
+        assert achieved == pytest.approx(gflop / seconds, rel=0.02, abs=0.1)
+        assert ideal == pytest.approx(gflop / matmul, rel=0.02, abs=2e-3)
+        assert share == pytest.approx(achieved / matmul, rel=0.02, abs=2e-3)

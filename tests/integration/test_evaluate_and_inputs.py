@@ -47,7 +47,18 @@ def test_math500_has_subject_and_level_breakdown(tmp_path):
     rep = evaluate_model(
         cfg, str(base_model_dir(cfg)), ["math500"], str(tmp_path / "m"), limit=12, progress=False
     )
-    assert rep["sets"]["math500"]["by_subject"] and rep["sets"]["math500"]["by_level"]
+    m = rep["sets"]["math500"]
+    recs = [json.loads(x) for x in (tmp_path / "m" / "samples.jsonl").open()]
+    assert len(recs) == 12
+    # the groups are the problems' own subjects and levels (as the data file has them), and
+    # each group's accuracy is its problems' share answered correctly
+    rows = [json.loads(x) for x in (ROOT / "data/math500/test.jsonl").open()]
+    by_id = {r["unique_id"]: r for r in rows}
+    for key in ("subject", "level"):
+        assert set(m[f"by_{key}"]) == {str(by_id[r["id"]][key]) for r in recs}
+        for group, acc in m[f"by_{key}"].items():
+            mine = [r["correct"] for r in recs if str(r[key]) == group]
+            assert acc == pytest.approx(sum(mine) / len(mine)), (key, group)
 
 
 def test_bad_set_paths_and_columns_are_named(tmp_path):

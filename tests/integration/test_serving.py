@@ -42,6 +42,22 @@ def _register_champion(tmp, uri):
     return cfg, uri, reg, run, model_uri
 
 
+def _greedy(model_dir, prompts: list[str], max_new_tokens: int = 6) -> list[str]:
+    """Each prompt's greedy completion straight from transformers: what serving must answer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    out = []
+    for p in prompts:
+        enc = tok(p, return_tensors="pt", add_special_tokens=False)
+        ids = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=tok.pad_token_id)  # fmt: skip
+        out.append(tok.decode(ids[0, enc["input_ids"].shape[1] :], skip_special_tokens=True))
+    assert any(out)  # an empty answer would make the comparisons below vacuous
+    return out
+
+
 def test_the_champion_loads_with_pyfunc_and_registration_is_idempotent(champion):
     import mlflow
     from mlflow import MlflowClient
@@ -51,7 +67,9 @@ def test_the_champion_loads_with_pyfunc_and_registration_is_idempotent(champion)
     cfg, uri, reg, run, model_uri = champion
     model = mlflow.pyfunc.load_model("models:/served@champion")
     out = model.predict(["12+34=", "7+5="])
-    assert len(out) == 2 and all(isinstance(x, str) for x in out)
+    from grpo.launch.paths import base_model_dir
+
+    assert out == _greedy(base_model_dir(cfg), ["12+34=", "7+5="])  # batched, left-padded
     assert model.metadata.get_input_schema() is not None  # a signature, not an empty schema
     # a retry of the registration (Prefect retries it) reuses the version of the same run
     again = register(cfg, run, model_uri, {"eval/synthetic/pass@2": 0.7}, vs_reference=BETTER,
@@ -92,8 +110,9 @@ def test_the_champion_answers_over_rest(champion, tmp_path):
             except OSError:
                 time.sleep(1)
         assert answer is not None, (tmp_path / "serve.log").read_text()[-3000:]
-        assert isinstance(answer["predictions"], list) and len(answer["predictions"]) == 1
-        assert isinstance(answer["predictions"][0], str)
+        from grpo.launch.paths import base_model_dir
+
+        assert answer["predictions"] == _greedy(base_model_dir(cfg), ["12+34="])
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, 15)

@@ -79,6 +79,17 @@ def test_process_supervision_and_dynamic_sampling_steps_run(tmp_path):
     m = out["final"]
     assert m["step"] == 2 and m["grad_norm"] >= 0
     assert (tmp_path / "grpo" / "policy" / "model.safetensors").exists()
+    import json
+
+    rows = [json.loads(x) for x in (tmp_path / "grpo" / "metrics.jsonl").open()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        # another round only while the batch still holds groups with nothing to learn, and
+        # never more than max_sampling_rounds; the kept batch is then fully informative
+        assert 1 <= r["sampling/rounds"] <= 2
+        assert r["frac_reward_zero_std"] == 0.0 or r["sampling/rounds"] == 2
+        if r["sampling/rounds"] == 2:
+            assert r["sampled/frac_reward_zero_std"] > 0  # round 1 left groups to replace
 
 
 def test_process_advantages_map_characters_to_tokens(tmp_path):

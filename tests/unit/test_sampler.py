@@ -55,7 +55,9 @@ def test_sampling_logps_match_a_teacher_forced_forward(kind, engine, temperature
     lengths = ro.lengths
     # with 16 tokens, EOS comes often: rows end at different steps (compaction is exercised)
     assert lengths.min() < lengths.max()
-    assert (ro.truncated == (lengths == ro.completion_ids.shape[1])).all() or engine == "hf"
+    # truncated: exactly the rows without an EOS, and those ran the whole budget (both engines)
+    assert torch.equal(ro.truncated, ~(ro.completion_ids == EOS).any(1))
+    assert (lengths[ro.truncated] == 20).all()
     torch.testing.assert_close(
         ro.sampling_logps, _teacher_forced(model, ro, temperature), atol=2e-5, rtol=1e-4
     )
