@@ -7,6 +7,8 @@ export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export DO_NOT_TRACK ?= true
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+# DeepSpeed's compiled ops inside the environment (grpo.launch.environment.extensions_dir)
+export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 CONFIG ?= configs/tiny.yaml
 
 .PHONY: install install-real run test test-fast lint serve bench clean
@@ -17,10 +19,11 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
-	# DeepSpeed compiles its CPU shared-memory collective op on first use (~40 s): do it here
+	# DeepSpeed compiles its C++ ops on first use: the CPU shared-memory collective (~40 s) and
+	# the CPU Adam of deepspeed.offload_optimizer (~60-100 s): here, not in a run or a test
 	$(PY) -c "import deepspeed.ops as o; from deepspeed.accelerator import get_accelerator as a; \
-	b = a().create_op_builder('ShareMemCommBuilder'); \
-	b and o.__compatible_ops__.get(b.NAME, False) and b.load()"
+	bs = [a().create_op_builder(n) for n in ('ShareMemCommBuilder', 'CPUAdamBuilder')]; \
+	[b.load() for b in bs if b and o.__compatible_ops__.get(b.NAME, False)]"
 	touch $@
 
 # the real pretrained model (configs/smollm2-135m.yaml, its tests): not needed by `make run`

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 from collections.abc import MutableMapping
 
 QUIET_ENV = {
@@ -29,10 +30,17 @@ QUIET_ENV = {
 REPRODUCIBLE_CPU = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"}
 
 
+def extensions_dir() -> str:
+    """Where DeepSpeed's compiled C++ ops live: inside this Python environment (`make install`
+    builds them there), so that two environments on one machine never rebuild each other's
+    ops (the default, ~/.cache/torch_extensions, is shared) in the middle of a run."""
+    return os.path.join(sys.prefix, "torch_extensions")
+
+
 def quiet_environment(environ: MutableMapping[str, str] | None = None) -> None:
-    """Give `environ` (this process's by default) every QUIET_ENV value it does not set, and on
-    x86-64 the REPRODUCIBLE_CPU pins."""
+    """Give `environ` (this process's by default) every QUIET_ENV value it does not set, the
+    environment's own extensions directory, and on x86-64 the REPRODUCIBLE_CPU pins."""
     env = os.environ if environ is None else environ
     pins = REPRODUCIBLE_CPU if platform.machine().lower() in ("x86_64", "amd64") else {}
-    for k, v in {**QUIET_ENV, **pins}.items():
+    for k, v in {**QUIET_ENV, "TORCH_EXTENSIONS_DIR": extensions_dir(), **pins}.items():
         env.setdefault(k, v)

@@ -1,5 +1,6 @@
 """The environment every process gets: quiet, offline, and the same CPU kernels everywhere."""
 
+import os
 import platform
 import subprocess
 import sys
@@ -12,6 +13,8 @@ def test_the_cpu_kernels_are_pinned_unless_the_user_chose():
     quiet_environment(env)
     assert env["OMP_WAIT_POLICY"] == "PASSIVE"
     assert env["MKL_CBWR"] == "AUTO"  # the user's choice wins
+    # DeepSpeed's ops are built into and loaded from this environment's own folder
+    assert env["TORCH_EXTENSIONS_DIR"] == os.path.join(sys.prefix, "torch_extensions")
     if platform.machine().lower() in ("x86_64", "amd64"):
         assert env["ATEN_CPU_CAPABILITY"] == REPRODUCIBLE_CPU["ATEN_CPU_CAPABILITY"] == "avx2"
 
