@@ -109,7 +109,10 @@ def test_a_10mb_prompt_is_left_out_quickly_with_little_memory(tmp_path):
     assert "1 of 2 prompts are longer than" in err and "(ids huge)" in err
     assert re.search(r"\| \S*big\S* \| 1 \|", out) and "Traceback" not in err
     assert secs < 60
-    assert usage.ru_maxrss < 1024 * 1024, usage.ru_maxrss  # KiB: under 1 GiB
+    # KiB. The command alone peaks at 0.4-0.5 GiB here, but up to 1.03 GiB was measured inside
+    # a fresh clone's full suite (cause not found); the guard is against the 7.5 GB of
+    # tokenizing such a prompt
+    assert usage.ru_maxrss < 1.5 * 1024 * 1024, usage.ru_maxrss
 
 
 def test_an_error_inside_a_rank_reaches_the_user_as_one_line(tmp_path):
