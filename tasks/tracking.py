@@ -5,6 +5,7 @@ Runs are addressed by id (never the thread-local active run): Prefect may run ta
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -80,13 +81,24 @@ def client(cfg: Config) -> Any:
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
-# settings that change which CPU kernels run, so the numbers a seed gives (README "Reproducing")
+# settings that change which CPU kernels run, so the numbers a seed gives (README "Same
+# numbers on any CPU")
 NUMERICS_VARS = ("MKL_CBWR", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS")
+
+
+@functools.cache
+def _machine() -> tuple[tuple[str, str], ...]:
+    return tuple(_machine_tags().items())
 
 
 def machine_tags() -> dict[str, str]:
     """Run tags naming the machine behind the numbers: CPU model, the instruction set torch's
-    kernels use, cores and threads, and any variable of NUMERICS_VARS that is set."""
+    kernels use, cores and threads, and any variable of NUMERICS_VARS that is set (read once a
+    process: every stage run of a pipeline carries them)."""
+    return dict(_machine())
+
+
+def _machine_tags() -> dict[str, str]:
     import platform
 
     import torch

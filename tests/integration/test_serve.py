@@ -13,7 +13,6 @@ import base64
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import psutil
 import pytest
 import yaml
 
+from grpo.launch.runner import free_port
 from tasks.server_auth import credentials_path
 from tests.helpers import ROOT, small_config
 
@@ -35,23 +35,17 @@ READY = "Ctrl-C stops everything"
 WAITING = ("SCHEDULED", "PENDING")  # not yet picked up by a worker
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Served:
     """A running `grpo serve` with its ports, state directory and output files."""
 
     def __init__(self, tmp: Path, model_name: str) -> None:
         cfg = small_config(
             tmp, f"tracking.registered_model={model_name}", "tracking.experiment=serve-e2e",
-            f"deepspeed.master_port={_free_port()}",
+            f"deepspeed.master_port={free_port()}",
         )  # fmt: skip
         self.config = tmp / "serve.yaml"
         self.config.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-        self.prefect, self.mlflow = _free_port(), _free_port()
+        self.prefect, self.mlflow = free_port(), free_port()
         self.state, self.out = tmp / "state", tmp / "serve.out"
         env = {**os.environ, "PREFECT_WORKER_QUERY_SECONDS": "2"}
         env.pop("MLFLOW_TRACKING_URI", None)
@@ -219,7 +213,7 @@ def test_a_triggered_deployment_runs_on_the_worker_and_lands_in_the_mlflow_serve
         before = worker_log.stat().st_size
         second = subprocess.run(
             [str(Path(sys.executable).with_name("grpo")), "serve", "--state-dir", str(s.state),
-             "--prefect-port", str(_free_port()), "--mlflow-port", str(_free_port())],
+             "--prefect-port", str(free_port()), "--mlflow-port", str(free_port())],
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert second.returncode == 2, second.stderr
