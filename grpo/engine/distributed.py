@@ -6,7 +6,9 @@ started by `deepspeed` (GPUs, or CPU processes on a machine without one).
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import socket
 import tempfile
 from datetime import timedelta
@@ -31,11 +33,11 @@ def init_distributed(timeout_s: int) -> tuple[int, int]:
             RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
         )  # fmt: skip
-        # a file rendezvous: no TCP port that a neighbouring process could take first
-        fd, store = tempfile.mkstemp(prefix="grpo-dist-")
-        os.close(fd)
-        os.remove(store)
-        init_method = f"file://{store}"
+        # a file rendezvous: no TCP port that a neighbouring process could take first; its
+        # directory goes when the process exits, or one file per stage piles up in /tmp
+        where = tempfile.mkdtemp(prefix="grpo-dist-")
+        atexit.register(shutil.rmtree, where, ignore_errors=True)
+        init_method = f"file://{os.path.join(where, 'store')}"
     if not dist.is_initialized():
         deepspeed.init_distributed(
             timeout=timedelta(seconds=timeout_s), init_method=init_method, rank=0 if init_method

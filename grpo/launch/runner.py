@@ -1,7 +1,8 @@
 """Running a training stage (SFT reference, GRPO) in this process or as DeepSpeed ranks.
 
-One rank runs in this process (SFT) or a child process (GRPO); with deepspeed.nproc > 1 or a
-hostfile, DeepSpeed's launcher starts the ranks running `python -m grpo.launch.worker`. The CLI
+One rank runs in this process (SFT) or a child process (GRPO); deepspeed.nproc > 1 local ranks
+are child processes started here, and a hostfile's ranks are started by DeepSpeed's launcher;
+each rank runs `python -m grpo.launch.worker`. The CLI
 and the Prefect tasks call these.
 """
 
@@ -13,8 +14,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -67,54 +71,133 @@ def _local_names() -> set[str]:
     return {"localhost", "127.0.0.1", socket.gethostname()}
 
 
-def launcher_command(cfg: Config, stage: str, config_path: Path, *args: str) -> list[str]:
-    """The `deepspeed` launcher command that starts the ranks of one stage."""
+def launcher_command(cfg: Config, target: list[str]) -> list[str]:
+    """DeepSpeed's launcher starting the ranks of a hostfile (`target`: what follows `python`,
+    e.g. ["-m", "grpo.launch.worker", "train", ...])."""
     ds = cfg.deepspeed
+    assert ds.hostfile is not None
     port = ds.master_port or free_port()
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(port)]
-    if ds.hostfile:
-        cmd += ["--hostfile", ds.hostfile]
-        if all(h in _local_names() for h in hostfile_hosts(Path(ds.hostfile))):
-            # every slot on this machine: DeepSpeed would still ssh to it (to check, and for
-            # rank 0's address), which a machine without an ssh server refuses
-            cmd += ["--no_ssh_check", "--master_addr", "127.0.0.1"]
-    else:
-        cmd += ["--num_gpus", str(ds.nproc)]
-    return cmd + ["--module", "grpo.launch.worker", stage, "--config", str(config_path), *args]
+    cmd += ["--hostfile", ds.hostfile]
+    if all(h in _local_names() for h in hostfile_hosts(Path(ds.hostfile))):
+        # every slot on this machine: DeepSpeed would still ssh to it (to check, and for
+        # rank 0's address), which a machine without an ssh server refuses
+        cmd += ["--no_ssh_check", "--master_addr", "127.0.0.1"]
+    if target[0] == "-m":
+        return cmd + ["--module", *target[1:]]
+    return cmd + target
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One process to start: its command and the variables it gets on top of the parent's."""
+
+    cmd: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def launches(cfg: Config, target: list[str]) -> list[Launch]:
+    """The processes that run a stage (`target`: what follows `python`): one; deepspeed.nproc
+    local ranks, started here; or DeepSpeed's launcher for a hostfile.
+
+    Local ranks get the variables DeepSpeed's launcher would give them. It is not used for them
+    because it costs 9-10 s a launch on a 2-core machine (two more interpreters that import
+    DeepSpeed before the ranks start, and a 1 s poll after they end) for nothing a single
+    machine needs; a hostfile (other machines, ssh) still goes through it.
+    """
+    ds = cfg.deepspeed
+    if ds.hostfile is not None:
+        return [Launch(launcher_command(cfg, target))]
+    cmd = [sys.executable, "-u", *target]
+    if ds.nproc == 1:
+        return [Launch(cmd)]
+    n, port = str(ds.nproc), str(ds.master_port or free_port())
+    common = {"WORLD_SIZE": n, "LOCAL_WORLD_SIZE": n, "LOCAL_SIZE": n, "CROSS_RANK": "0",
+              "CROSS_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}  # fmt: skip
+    return [Launch(cmd, {**common, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(ds.nproc)]
+
+
+# a rank's own process group settings must not leak into the ranks it starts
+DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK",
+             "CROSS_SIZE", "MASTER_ADDR", "MASTER_PORT")  # fmt: skip
+# after a rank fails (or the parent is stopped), how long the others get to exit on SIGTERM
+# before SIGKILL: a rank blocked in a collective never returns by itself
+GRACE_S = 5.0
+
+
+def stop_processes(procs: list[subprocess.Popen], grace_s: float = GRACE_S) -> None:
+    """SIGTERM to each process still running, SIGKILL to those alive `grace_s` later."""
+    alive = [p for p in procs if p.poll() is None]
+    for p in alive:
+        p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in alive:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _watch(procs: list[subprocess.Popen], codes: list[int]) -> None:
+    """Wait for every process; the first to fail takes the others down (appends its code)."""
+    while True:
+        polled = [p.poll() for p in procs]
+        failed = [c for c in polled if c not in (None, 0)]
+        if failed or all(c is not None for c in polled):
+            codes.append(failed[0] if failed else 0)
+            if failed:
+                stop_processes(procs)
+            return
+        time.sleep(0.1)
 
 
 def run_subprocess(
     cmd: list[str], log: Callable[[str], None] = print, env: dict[str, str] | None = None
 ) -> None:
-    """Run a command, streaming its output line by line; on failure raise StageError naming
-    the first rank's error (from the error file the worker writes), else the output's tail."""
-    # a rank's own process group settings must not leak into the ranks it starts
-    dist_vars = {
-        "RANK",
-        "LOCAL_RANK",
-        "WORLD_SIZE",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-    }
-    inherited = {k: v for k, v in os.environ.items() if k not in dist_vars}
+    """Run one command (see run_launches)."""
+    run_launches([Launch(cmd)], log, env)
+
+
+def run_launches(
+    plan: list[Launch], log: Callable[[str], None] = print, env: dict[str, str] | None = None
+) -> None:
+    """Start the processes, stream their output line by line; on failure raise StageError
+    naming the first rank's error (from the error file the worker writes), else the output's
+    tail. If one fails, or this process is interrupted, the others are stopped."""
+    inherited = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
     errors_dir = Path(tempfile.mkdtemp(prefix="grpo-errors-"))
-    full_env = {**inherited, ERROR_DIR: str(errors_dir), **(env or {})}
-    quiet_environment(full_env)
+    base_env = {**inherited, ERROR_DIR: str(errors_dir), **(env or {})}
+    quiet_environment(base_env)
     tail: deque[str] = deque(maxlen=TAIL_LINES)
-    with subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env
-    ) as proc:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            line = line.rstrip("\n")
-            tail.append(line)
-            log(line)
-        code = proc.wait()
-    records = [json.loads(f.read_text()) for f in sorted(errors_dir.glob("rank*.json"))]
-    shutil.rmtree(errors_dir, ignore_errors=True)
+    # one pipe for every process: lines under the pipe's atomic size never interleave
+    read_fd, write_fd = os.pipe()
+    procs: list[subprocess.Popen] = []
+    codes: list[int] = []
+    try:
+        try:
+            for launch in plan:
+                procs.append(subprocess.Popen(launch.cmd, stdout=write_fd,
+                                              stderr=subprocess.STDOUT,
+                                              env={**base_env, **launch.env}))  # fmt: skip
+        finally:
+            os.close(write_fd)
+        watcher = threading.Thread(target=_watch, args=(procs, codes), daemon=True)
+        watcher.start()
+        with open(read_fd, encoding="utf-8", errors="replace") as out:
+            for line in out:
+                line = line.rstrip("\n")
+                tail.append(line)
+                log(line)
+        watcher.join()
+    finally:
+        stop_processes(procs)  # nothing left running when this returns, however it returns
+        records = [json.loads(f.read_text()) for f in sorted(errors_dir.glob("rank*.json"))]
+        shutil.rmtree(errors_dir, ignore_errors=True)
+    code = codes[0]
     if code == 0:
         return
+    cmd = plan[0].cmd
     stage = cmd[cmd.index("grpo.launch.worker") + 1] if "grpo.launch.worker" in cmd else cmd[-1]
     if records:
         r = min(records, key=lambda x: x["rank"])
@@ -126,6 +209,10 @@ def run_subprocess(
     errors = [ln for ln in tail if "Error" in ln or "error" in ln] or list(tail)[-10:]
     raise StageError(f"{stage} stage exited with {code}: " + " | ".join(errors[-3:]),
                      "\n".join(tail))  # fmt: skip
+
+
+def _worker(stage: str, config_path: Path, *args: str) -> list[str]:
+    return ["-m", "grpo.launch.worker", stage, "--config", str(config_path), *args]
 
 
 def run_sft(cfg: Config, *, force: bool = False, log: Callable[[str], None] = print) -> Path:
@@ -146,7 +233,7 @@ def run_sft(cfg: Config, *, force: bool = False, log: Callable[[str], None] = pr
 def _build_reference(cfg: Config, base: Path, out: Path, log: Callable[[str], None]) -> None:
     if _distributed(cfg):
         cfg_path = write_config(cfg, out.with_name(out.name + "_config.yaml"))
-        run_subprocess(launcher_command(cfg, "sft", cfg_path, "--base", str(base)), log)
+        run_launches(launches(cfg, _worker("sft", cfg_path, "--base", str(base))), log)
     else:
         from grpo.data.sets import training_sets
         from grpo.engine.sft import train_reference
@@ -172,21 +259,7 @@ def run_grpo(
     args = ["--policy", str(policy_dir), "--out", str(out_dir)] + (["--resume"] if resume else [])
     if pace_file is not None:
         args += ["--pace-file", str(pace_file)]
-    run_subprocess(
-        launcher_command(cfg, "train", cfg_path, *args)
-        if _distributed(cfg)
-        else [
-            sys.executable,
-            "-m",
-            "grpo.launch.worker",
-            "train",
-            "--config",
-            str(cfg_path),
-            *args,
-        ],
-        log,
-        env,
-    )
+    run_launches(launches(cfg, _worker("train", cfg_path, *args)), log, env)
     return json.loads((out_dir / "train_summary.json").read_text())
 
 
@@ -206,12 +279,5 @@ def run_control(
     cfg_path = write_config(cfg, out_dir.with_name(out_dir.name + "_config.yaml"))
     args = ["--policy", str(reference), "--out", str(out_dir)]
     args += ["--seconds", str(seconds)] if seconds is not None else ["--follow", str(follow)]
-    run_subprocess(
-        launcher_command(cfg, "control", cfg_path, *args)
-        if _distributed(cfg)
-        else [sys.executable, "-m", "grpo.launch.worker", "control", "--config", str(cfg_path),
-              *args],
-        log,
-        env,
-    )  # fmt: skip
+    run_launches(launches(cfg, _worker("control", cfg_path, *args)), log, env)
     return json.loads((out_dir / "control_summary.json").read_text())

@@ -1,6 +1,5 @@
 """2 CPU ranks under DeepSpeed (ZeRO-2, ZeRO-3) agree with one rank on the same global batch."""
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -8,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from grpo.launch.paths import base_model_dir, write_config
-from grpo.launch.runner import free_port, run_subprocess
+from grpo.launch.runner import launches, run_launches
 from tests.helpers import small_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -25,13 +24,8 @@ def _run(tmp: Path, name: str, nproc: int, stage: int) -> dict[str, torch.Tensor
     )  # fmt: skip
     base = base_model_dir(cfg)
     cfg_path = write_config(cfg, tmp / name / "config.yaml")
-    args = [str(SCRIPT), str(cfg_path), str(base), str(tmp / name)]
-    if nproc == 1:
-        cmd = [sys.executable, *args]
-    else:
-        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc),
-               "--master_port", str(free_port()), *args]  # fmt: skip
-    run_subprocess(cmd, log=lambda line: None)
+    run_launches(launches(cfg, [str(SCRIPT), str(cfg_path), str(base), str(tmp / name)]),
+                 log=lambda line: None)  # fmt: skip
     return load_file(tmp / name / "policy" / "model.safetensors")
 
 

@@ -151,8 +151,12 @@ def test_skipping_zero_advantage_rows_gives_the_same_update(tmp_path):
         t.update(ro, per_token(adv, ro), None)
         weights[skip] = [p.detach().clone() for p in t.engine.module.parameters()]
     for a, b in zip(weights[True], weights[False], strict=True):
-        # float noise only: the two runs batch the rows differently (different matmul shapes)
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+        # float noise only: the two runs batch the rows differently (different matmul shapes),
+        # and Adam's first step divides each gradient by its own size, so a weight whose
+        # gradient is near zero can move by a visible fraction of lr = 0.01 on noise alone.
+        # 1e-4 is 1% of one step; training a skipped row (or skipping a trained one) moves
+        # weights by the whole step.
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
 
 
 def test_a_seeded_run_is_reproducible(tmp_path):

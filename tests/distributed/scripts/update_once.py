@@ -1,6 +1,6 @@
 """One GRPO update on a fixed global batch, this rank's share of it; saves the policy.
 
-Run as one process or under the DeepSpeed launcher; the test compares the saved weights.
+Run as one process or as ranks (grpo.launch.runner.launches); the test compares the saved weights.
 """
 
 import sys
