@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -99,12 +100,13 @@ def cmd_evaluate(a: argparse.Namespace) -> None:
 
 def cmd_pipeline(a: argparse.Namespace) -> None:
     from flows.pipeline import PipelineParams, grpo_pipeline
-    from flows.prefect_db import migrate_local_database
+    from flows.prefect_db import migrate_local_database, pipeline_api
 
     _preflight(_config(a), tracking=True)
     migrate_local_database()
     params = PipelineParams(config=a.config, overrides=list(a.set or []), control=not a.no_control)
-    grpo_pipeline(params)
+    with pipeline_api():
+        grpo_pipeline(params)
 
 
 def cmd_promote(a: argparse.Namespace) -> None:
@@ -187,15 +189,57 @@ def main(argv: list[str] | None = None) -> None:
             apply_to_environment()  # a served state directory's credentials, for its servers
         a.fn(a)
 
+    signals: list[int] = []
+    if a.command != "serve":  # serve stops its servers and worker itself
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, _interrupt_handler(signals))
     if a.debug:
         os.environ["GRPO_DEBUG"] = "1"  # ranks print their tracebacks too
-        run()
-        return
     try:
         run()
+    except KeyboardInterrupt:
+        if not signals:  # raised by something else than our handler: still one line
+            signals.append(signal.SIGINT)
+        print(f"interrupted ({signal.Signals(signals[0]).name}): {RESUME[a.command]}",
+              file=sys.stderr)
+        if a.debug:
+            raise
+        sys.exit(128 + signals[0])
     except _user_errors() as e:
+        if a.debug:
+            raise
         print(f"error: {_one_line(e)}", file=sys.stderr)
         sys.exit(2)
+
+
+# what a user does after stopping a command (Ctrl-C, SIGTERM): printed as its last line
+RESUME = {
+    "sft": "every process stopped; an unfinished reference is never cached, `grpo sft` "
+    "builds it again",
+    "train": "every rank stopped; the same command with --resume continues from the last "
+    "checkpoint",
+    "evaluate": "every process stopped; run the same command again",
+    "pipeline": "every stage stopped, its MLflow runs ended KILLED; `grpo pipeline` again "
+    "reuses the cached SFT reference",
+    "promote": "nothing was changed unless the alias line was printed",
+    "import-gguf": "stopped; the next run converts the file again",
+}
+
+
+def _interrupt_handler(signals: list[int]):  # noqa: ANN202
+    """SIGINT and SIGTERM alike: stop every process this command started (ranks, workers)
+    within seconds, then unwind as KeyboardInterrupt, so that MLflow runs and the Prefect flow
+    run are ended on the way out. Children are stopped first because a stage running in
+    another thread (the control beside GRPO) does not see this thread's exception."""
+
+    def handler(signum: int, frame: object) -> None:  # noqa: ARG001
+        signals.append(signum)
+        runner = sys.modules.get("grpo.launch.runner")
+        if runner is not None:  # not imported: nothing was started
+            runner.stop_started()
+        raise KeyboardInterrupt
+
+    return handler
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

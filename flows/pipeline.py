@@ -63,8 +63,8 @@ def grpo_pipeline(params: PipelineParams = PipelineParams()) -> dict[str, Any]: 
             models["champion"] = champ["path"]
         ev = stages.evaluate(cfg, pid, models, run_dir)
         reg = stages.register_model(cfg, trained, ref, ev, champ)
-    except BaseException:
-        c.set_terminated(pid, "FAILED")
+    except BaseException as e:
+        c.set_terminated(pid, tracking.end_status(e))
         raise
     c.set_tag(pid, "registered_version", reg["version"])
     c.set_terminated(pid, "FINISHED")

@@ -1,8 +1,16 @@
-"""The local Prefect database of a pipeline run without a Prefect server."""
+"""A pipeline run without a Prefect server: its local database and its temporary API."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 from grpo.launch.paths import file_lock
@@ -29,3 +37,52 @@ def migrate_local_database() -> None:
     home.mkdir(parents=True, exist_ok=True)
     with file_lock(home / "grpo-migrate.lock"):
         asyncio.run(provide_database_interface().create_db())
+
+
+@contextlib.contextmanager
+def pipeline_api(startup_s: float = 120) -> Iterator[None]:
+    """Prefect's API for one pipeline run: the configured server (PREFECT_API_URL), or else a
+    temporary one started here, like the one Prefect itself starts (the same app, no UI, no
+    background services), but in its own session.
+
+    Prefect's own temporary server is a child in the pipeline's process group, so Ctrl-C in the
+    terminal stops it too, first; the flow then cannot record its end, and Prefect's client
+    retried the dead server for 2-4 minutes before exiting. In its own session it outlives the
+    interrupt, the flow records it, and the server is stopped last.
+    """
+    from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
+
+    if get_current_settings().api.url:
+        yield
+        return
+    import prefect
+
+    from grpo.launch.runner import free_port, stop_processes
+
+    port = free_port()
+    env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
+           "PREFECT__SERVER_FINAL": "1"}  # fmt: skip
+    cmd = [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(prefect.__file__).parents[1]),
+           "--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1",
+           "--port", str(port), "--log-level", "error", "--lifespan", "on"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}/api"
+    try:
+        _wait_healthy(url, proc, startup_s)
+        with temporary_settings({PREFECT_API_URL: url}):
+            yield
+    finally:
+        stop_processes([proc])
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the temporary Prefect server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2):
+                return
+        except (urllib.error.URLError, OSError):
+            time.sleep(0.1)
+    raise RuntimeError(f"the temporary Prefect server did not answer at {url} in {seconds:.0f}s")

@@ -28,13 +28,13 @@ def child_run(cfg: Config, parent_id: str, name: str) -> str:
 
 @contextlib.contextmanager
 def stage_run(cfg: Config, parent_id: str, name: str) -> Iterator[str]:
-    """A nested MLflow run for one stage: FINISHED when the block ends, FAILED when it raises
-    (never left RUNNING)."""
+    """A nested MLflow run for one stage: FINISHED when the block ends, FAILED when it raises,
+    KILLED when it was interrupted (never left RUNNING)."""
     run_id = child_run(cfg, parent_id, name)
     try:
         yield run_id
-    except BaseException:
-        tracking.client(cfg).set_terminated(run_id, "FAILED")
+    except BaseException as e:
+        tracking.client(cfg).set_terminated(run_id, tracking.end_status(e))
         raise
     tracking.client(cfg).set_terminated(run_id, "FINISHED")
 

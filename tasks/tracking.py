@@ -328,3 +328,9 @@ def log_evaluation(
     if samples:
         c.log_table(run_id, data=pd.DataFrame(samples), artifact_file=f"{prefix}eval/samples.json")
     c.log_artifacts(run_id, str(out_dir), f"{prefix}eval")
+
+
+def end_status(e: BaseException) -> str:
+    """The MLflow status of a run that ended with `e`: KILLED when a person stopped it (Ctrl-C,
+    SIGTERM: KeyboardInterrupt), FAILED otherwise."""
+    return "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED"

@@ -125,6 +125,21 @@ DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE
 GRACE_S = 5.0
 
 
+# every process run_launches started and has not seen end, from any thread: an interrupted
+# command stops them (stop_started) before it unwinds
+_STARTED: set[subprocess.Popen] = set()
+_STARTED_LOCK = threading.Lock()
+
+
+def stop_started(grace_s: float = GRACE_S) -> int:
+    """Stop every process this process started through run_launches that still runs; returns
+    how many there were."""
+    with _STARTED_LOCK:
+        procs = [p for p in _STARTED if p.poll() is None]
+    stop_processes(procs, grace_s)
+    return len(procs)
+
+
 def stop_processes(procs: list[subprocess.Popen], grace_s: float = GRACE_S) -> None:
     """SIGTERM to each process still running, SIGKILL to those alive `grace_s` later."""
     alive = [p for p in procs if p.poll() is None]
@@ -177,9 +192,11 @@ def run_launches(
     try:
         try:
             for launch in plan:
-                procs.append(subprocess.Popen(launch.cmd, stdout=write_fd,
-                                              stderr=subprocess.STDOUT,
-                                              env={**base_env, **launch.env}))  # fmt: skip
+                proc = subprocess.Popen(launch.cmd, stdout=write_fd, stderr=subprocess.STDOUT,
+                                        env={**base_env, **launch.env})  # fmt: skip
+                procs.append(proc)
+                with _STARTED_LOCK:
+                    _STARTED.add(proc)
         finally:
             os.close(write_fd)
         watcher = threading.Thread(target=_watch, args=(procs, codes), daemon=True)
@@ -192,6 +209,8 @@ def run_launches(
         watcher.join()
     finally:
         stop_processes(procs)  # nothing left running when this returns, however it returns
+        with _STARTED_LOCK:
+            _STARTED.difference_update(procs)
         records = [json.loads(f.read_text()) for f in sorted(errors_dir.glob("rank*.json"))]
         shutil.rmtree(errors_dir, ignore_errors=True)
     code = codes[0]
