@@ -106,7 +106,10 @@ def cmd_pipeline(a: argparse.Namespace) -> None:
     migrate_local_database()
     params = PipelineParams(config=a.config, overrides=list(a.set or []), control=not a.no_control)
     with pipeline_api():
-        grpo_pipeline(params)
+        state = grpo_pipeline(params, return_state=True)
+    if state.is_cancelled():  # interrupted: the flow ended its runs and recorded it
+        raise Interrupted(signal.SIGTERM if "SIGTERM" in (state.message or "") else signal.SIGINT)
+    state.result()  # a failed pipeline raises its error here
 
 
 def cmd_promote(a: argparse.Namespace) -> None:
@@ -197,11 +200,14 @@ def main(argv: list[str] | None = None) -> None:
         os.environ["GRPO_DEBUG"] = "1"  # ranks print their tracebacks too
     try:
         run()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        if isinstance(e, Interrupted):  # Prefect's engine caught the signal first
+            signals.insert(0, e.signum)
         if not signals:  # raised by something else than our handler: still one line
             signals.append(signal.SIGINT)
-        print(f"interrupted ({signal.Signals(signals[0]).name}): {RESUME[a.command]}",
-              file=sys.stderr)
+        print(
+            f"interrupted ({signal.Signals(signals[0]).name}): {RESUME[a.command]}", file=sys.stderr
+        )
         if a.debug:
             raise
         sys.exit(128 + signals[0])
@@ -210,6 +216,14 @@ def main(argv: list[str] | None = None) -> None:
             raise
         print(f"error: {_one_line(e)}", file=sys.stderr)
         sys.exit(2)
+
+
+class Interrupted(KeyboardInterrupt):
+    """A command stopped by a signal that someone else handled first (the pipeline's flow)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__()
+        self.signum = signum
 
 
 # what a user does after stopping a command (Ctrl-C, SIGTERM): printed as its last line

@@ -7,15 +7,19 @@ MLflow parent run per pipeline run, a nested run per stage.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from prefect import flow
+from prefect.exceptions import TerminationSignal
+from prefect.states import Cancelled
 from pydantic import BaseModel, Field
 
 from grpo.config import load_config
+from grpo.launch.runner import stop_started
 
 
 class PipelineParams(BaseModel):
@@ -27,7 +31,7 @@ class PipelineParams(BaseModel):
 
 
 @flow(name="grpo-pipeline", log_prints=True)
-def grpo_pipeline(params: PipelineParams = PipelineParams()) -> dict[str, Any]:  # noqa: B008
+def grpo_pipeline(params: PipelineParams = PipelineParams()) -> Any:  # noqa: B008
     from tasks import registry, stages, tracking
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -35,13 +39,19 @@ def grpo_pipeline(params: PipelineParams = PipelineParams()) -> dict[str, Any]: 
     c = tracking.client(cfg)
     exp = c.get_experiment_by_name(cfg.tracking.experiment)
     exp_id = exp.experiment_id if exp else c.create_experiment(cfg.tracking.experiment)
+    if closed := tracking.close_orphaned_runs(c, exp_id):
+        print(
+            f"ended KILLED {len(closed)} MLflow run(s) left RUNNING by a pipeline on this host "
+            f"that was killed: {', '.join(closed)}"
+        )
     parent = c.create_run(
         exp_id,
         run_name=f"{cfg.run_name}-{time.strftime('%Y%m%d-%H%M%S')}",
         tags={"mlflow.source.git.commit": tracking.git_commit(), "mlflow.source.type": "JOB",
               "mlflow.source.name": "flows/pipeline.py:grpo_pipeline",
               "config_digest": cfg.digest(), "data_hash": cfg.digest("data"),
-              "pipeline_version": tracking.package_version(), **tracking.machine_tags()},
+              "pipeline_version": tracking.package_version(), **tracking.machine_tags(),
+              **tracking.owner_tags()},
     )  # fmt: skip
     pid = parent.info.run_id
     _link_mlflow_run(tracking.tracking_uri(cfg), exp_id, pid)
@@ -63,8 +73,16 @@ def grpo_pipeline(params: PipelineParams = PipelineParams()) -> dict[str, Any]: 
             models["champion"] = champ["path"]
         ev = stages.evaluate(cfg, pid, models, run_dir)
         reg = stages.register_model(cfg, trained, ref, ev, champ)
-    except BaseException as e:
-        c.set_terminated(pid, tracking.end_status(e))
+    except (KeyboardInterrupt, TerminationSignal) as e:
+        # Ctrl-C, or SIGTERM (which Prefect's engine turns into TerminationSignal while a flow
+        # runs): every stage's processes stop, and the flow run ends Cancelled, not Crashed,
+        # as a person stopped it
+        stop_started()
+        c.set_terminated(pid, "KILLED")
+        name = signal.Signals(getattr(e, "signal", signal.SIGINT)).name
+        return Cancelled(message=f"stopped by {name}")
+    except BaseException:
+        c.set_terminated(pid, "FAILED")
         raise
     c.set_tag(pid, "registered_version", reg["version"])
     c.set_terminated(pid, "FINISHED")
@@ -95,6 +113,9 @@ def _train_with_control(
     try:
         trained = stages.train_policy(cfg, pid, ref, run_dir, threads=threads,
                                       pace_file=pace)  # fmt: skip
+    except (KeyboardInterrupt, TerminationSignal):
+        stop_started()  # a person stopped the pipeline: the control too, not at its pace
+        raise
     finally:
         mark_done(pace)  # also when GRPO failed: the control must not outlive it
         future.wait()

@@ -70,9 +70,22 @@ def pipeline_api(startup_s: float = 120) -> Iterator[None]:
     try:
         _wait_healthy(url, proc, startup_s)
         with temporary_settings({PREFECT_API_URL: url}):
-            yield
+            try:
+                yield
+            finally:
+                _drain_to_server()
     finally:
         stop_processes([proc])
+
+
+def _drain_to_server(timeout_s: float = 10) -> None:
+    """Send Prefect's queued logs and events while the server still answers: left for exit,
+    they would retry a stopped server for half a minute."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for service in (APILogWorker, EventsWorker):
+        service.drain_all(timeout=timeout_s, at_exit=False)
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, seconds: float) -> None:

@@ -331,6 +331,60 @@ def log_evaluation(
 
 
 def end_status(e: BaseException) -> str:
-    """The MLflow status of a run that ended with `e`: KILLED when a person stopped it (Ctrl-C,
-    SIGTERM: KeyboardInterrupt), FAILED otherwise."""
-    return "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED"
+    """The MLflow status of a run that ended with `e`: KILLED when a person stopped it (Ctrl-C:
+    KeyboardInterrupt; SIGTERM: KeyboardInterrupt from the CLI, TerminationSignal from Prefect's
+    engine while a flow runs), FAILED otherwise."""
+    from prefect.exceptions import TerminationSignal
+
+    return "KILLED" if isinstance(e, (KeyboardInterrupt, TerminationSignal)) else "FAILED"
+
+
+# tags on a pipeline's parent run that say which process owns it while it is RUNNING
+OWNER_TAGS = ("pipeline.host", "pipeline.pid", "pipeline.pid_started")
+
+
+def owner_tags() -> dict[str, str]:
+    """This process as the owner of a RUNNING parent run: host, pid and the pid's start time
+    (a pid alone may have been reused by the time anyone looks)."""
+    import socket
+
+    import psutil
+
+    me = psutil.Process()
+    return dict(zip(OWNER_TAGS, (socket.gethostname(), str(me.pid), f"{me.create_time():.3f}")))
+
+
+def _owner_alive(tags: dict[str, str]) -> bool:
+    import psutil
+
+    try:
+        p = psutil.Process(int(tags["pipeline.pid"]))
+        return f"{p.create_time():.3f}" == tags["pipeline.pid_started"]
+    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+        return False
+
+
+def close_orphaned_runs(client: Any, experiment_id: str) -> list[str]:
+    """End KILLED the parent runs (and their stage runs) that a pipeline on this host left
+    RUNNING when it was killed outright (SIGKILL, a lost machine): their owner process is gone.
+    Runs of other hosts are left alone (their owners cannot be checked from here). Returns the
+    names of the parent runs closed."""
+    import socket
+
+    host = socket.gethostname().replace("'", "")
+    running = client.search_runs(
+        [experiment_id],
+        f"attributes.status = 'RUNNING' and tags.`pipeline.host` = '{host}'",
+    )
+    closed = []
+    for run in running:
+        if _owner_alive(run.data.tags):
+            continue  # another pipeline on this machine, still at work
+        stages = client.search_runs(
+            [experiment_id],
+            f"attributes.status = 'RUNNING' and tags.mlflow.parentRunId = '{run.info.run_id}'",
+        )
+        for r in [*stages, run]:
+            client.set_terminated(r.info.run_id, "KILLED")
+        closed.append(run.info.run_name)
+    return closed

@@ -1,6 +1,8 @@
 """The whole flow through a real temporary Prefect API and a real sqlite MLflow store."""
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,12 +37,33 @@ def _overrides(tmp: Path, *extra: str) -> list[str]:
     ]
 
 
+def _runs_left_by_a_killed_pipeline(uri: str) -> list[str]:
+    """What a pipeline killed outright (SIGKILL) leaves in the store: its parent and a stage
+    run RUNNING, owned by a process that is gone; beside them a parent whose owner (this test
+    process) is alive, as a second pipeline running at the same time would be."""
+    from mlflow import MlflowClient
+
+    from tasks.tracking import owner_tags
+
+    c = MlflowClient(uri, uri)
+    exp = c.get_experiment_by_name("grpo-tiny")
+    exp_id = exp.experiment_id if exp else c.create_experiment("grpo-tiny")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    gone = {**owner_tags(), "pipeline.pid": str(dead.pid)}
+    parent = c.create_run(exp_id, run_name="killed-parent", tags=gone)
+    stage = c.create_run(exp_id, run_name="grpo", tags={"mlflow.parentRunId": parent.info.run_id})
+    alive = c.create_run(exp_id, run_name="alive-parent", tags=owner_tags())
+    return [parent.info.run_id, stage.info.run_id, alive.info.run_id]
+
+
 def test_end_to_end_logs_registers_and_loads(store):
     from mlflow import MlflowClient
 
     from flows.pipeline import PipelineParams, grpo_pipeline
 
     tmp, uri = store
+    orphans = _runs_left_by_a_killed_pipeline(uri)
     result = grpo_pipeline(PipelineParams(config=CONFIG, overrides=_overrides(tmp)))
     # the summary table stays whole when stdout is not a terminal (a log file, Prefect)
     import contextlib
@@ -62,6 +85,10 @@ def test_end_to_end_logs_registers_and_loads(store):
             acc = parent.data.metrics[f"{label}/eval/{s}/accuracy"]
             assert f"{acc:.3f}" in lines[s], (s, label)
     assert parent.info.status == "FINISHED"
+    # what a SIGKILLed pipeline left RUNNING was ended by this one; a live owner's run was not
+    assert [c.get_run(r).info.status for r in orphans] == ["KILLED", "KILLED", "RUNNING"]
+    c.delete_run(orphans[2])  # the other tests of the store see pipelines' runs only
+    c.delete_run(orphans[0])
     assert parent.data.params["grpo.num_generations"] == "4"
     assert parent.data.tags["mlflow.source.git.commit"] and parent.data.tags["data_hash"]
     assert parent.data.tags["pipeline_version"] == "0.1.0"  # from the package metadata
