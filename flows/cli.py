@@ -45,13 +45,15 @@ def cmd_sft(a: argparse.Namespace) -> None:
 
 
 def cmd_train(a: argparse.Namespace) -> None:
+    from grpo.launch.run_dir import prepare_run_dir
     from grpo.launch.runner import run_grpo, run_sft
 
     cfg = _config(a)
     _preflight(cfg, model_dirs=(a.policy,))
+    out = Path(a.out) if a.out else cfg.run_dir() / "grpo"
+    prepare_run_dir(out, cfg, resume=a.resume, overwrite=a.overwrite)
     # run_sft reuses a cached reference, and returns model.path itself when SFT is off
     policy = Path(a.policy) if a.policy else run_sft(cfg)
-    out = Path(a.out) if a.out else cfg.run_dir() / "grpo"
     summary = run_grpo(cfg, policy, out, resume=a.resume)
     final = summary["final"]
     print(f"\nGRPO done in {summary['seconds']:.0f}s: {out / 'policy'}")
@@ -157,6 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--policy", help="start from this model directory instead of the SFT ref")
     t.add_argument("--out", help="run directory (default runs/<run_name>/grpo)")
     t.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    t.add_argument("--overwrite", action="store_true",
+                   help="delete the run already in --out and start again")  # fmt: skip
     e = add("evaluate", cmd_evaluate, "evaluate a model on held-out sets")
     e.add_argument("--model", required=True, help="model directory or models:/NAME@ALIAS")
     e.add_argument("--sets", help="comma-separated: synthetic,synthetic_ood,gsm8k,math500,PATH")

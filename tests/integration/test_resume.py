@@ -56,6 +56,37 @@ def test_kill_and_resume_matches_uninterrupted_run(tmp_path):
         assert torch.equal(whole[k], resumed[k]), (killed_at, k)
     steps = [line for line in (out / "metrics.jsonl").read_text().splitlines() if line]
     assert len(steps) == 6  # no duplicated or lost step lines after the resume
+    _a_finished_run_is_never_overwritten_or_resumed_by_another(tmp_path, base, cfg_path)
+
+
+def _grpo_train(*args: str) -> tuple[int, str]:
+    from tests.helpers import SMALL
+
+    sets = [a for s in [*SMALL, "grpo.steps=6", "grpo.checkpoint_every=2"] for a in ("--set", s)]
+    p = subprocess.run([sys.executable, "-m", "flows.cli", "train", *args, *sets],
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    return p.returncode, p.stderr
+
+
+def _a_finished_run_is_never_overwritten_or_resumed_by_another(tmp, base, cfg_path) -> None:
+    """`grpo train` on a directory that holds a run: refused in one line naming --resume and
+    --overwrite, before any rank starts, and nothing in it changes. A resume with a config that
+    trains something else, or from a checkpoint its metrics do not reach, is refused too."""
+    whole = tmp / "whole"
+    (whole / "config.yaml").write_text(cfg_path.read_text())  # as run_grpo writes it
+    before = {f: f.read_bytes() for f in whole.rglob("*") if f.is_file()}
+    code, err = _grpo_train("--policy", str(base), "--out", str(whole))
+    assert code == 2 and len(err.strip().splitlines()) == 1, err[-2000:]
+    assert "--resume" in err and "--overwrite" in err and "6 steps logged" in err
+    assert {f: f.read_bytes() for f in whole.rglob("*") if f.is_file()} == before
+    code, err = _grpo_train("--policy", str(base), "--out", str(whole), "--resume", "--set",
+                            "grpo.lr=0.5")  # fmt: skip
+    assert code == 2 and "grpo.lr" in err and "0.5" in err, err[-2000:]
+    # what a rerun without --resume used to leave: the old checkpoint, new metrics of 2 steps
+    metrics = whole / "metrics.jsonl"
+    metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:2]))
+    code, err = _grpo_train("--policy", str(base), "--out", str(whole), "--resume")
+    assert code == 2 and "step 6" in err and "1..2" in err, err[-2000:]
 
 
 def test_a_kill_during_checkpoint_write_leaves_the_previous_one_usable(tmp_path):
