@@ -27,6 +27,7 @@ from grpo.launch.environment import quiet_environment
 from grpo.launch.paths import (
     ERROR_DIR,
     base_model_dir,
+    file_digest,
     file_lock,
     reference_dir,
     write_config,
@@ -243,10 +244,46 @@ def run_sft(cfg: Config, *, force: bool = False, log: Callable[[str], None] = pr
     # a second pipeline of the same config waits here, then finds the cache
     with file_lock(out.with_name(out.name + ".lock")):
         if (out / "config.json").exists() and (out / "sft_summary.json").exists() and not force:
-            log(f"SFT reference cache hit: {out}")
-            return out
+            damage = cache_damage(out)
+            if damage is None:
+                log(f"SFT reference cache hit: {out}")
+                return out
+            log(f"SFT reference cache at {out} is damaged ({damage}): building it again")
+            shutil.rmtree(out)
         _build_reference(cfg, base, out, log)
+        write_manifest(out)
     return out
+
+
+MANIFEST = "cache_manifest.json"
+
+
+def write_manifest(out: Path) -> None:
+    """Size and sha256 of every file of a built reference, checked on each cache hit."""
+    files = sorted(p for p in out.rglob("*") if p.is_file() and p.name != MANIFEST)
+    manifest = {str(p.relative_to(out)): {"size": p.stat().st_size, "sha256": file_digest(p)}
+                for p in files}  # fmt: skip
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+def cache_damage(out: Path) -> str | None:
+    """What is wrong with a cached reference (a file missing, cut short or changed since it
+    was built), or None. Sizes first, then contents: hashing a 135M model takes about a
+    second, and a changed file would otherwise be logged and trained from as the reference."""
+    path = out / MANIFEST
+    if not path.exists():
+        return f"no {MANIFEST}: built by an older version or cut short"
+    manifest = json.loads(path.read_text())
+    for name, want in manifest.items():
+        f = out / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != want["size"]:
+            return f"{name} is {f.stat().st_size} bytes, {want['size']} when built"
+    for name, want in manifest.items():
+        if file_digest(out / name) != want["sha256"]:
+            return f"{name} changed since it was built (sha256)"
+    return None
 
 
 def _build_reference(cfg: Config, base: Path, out: Path, log: Callable[[str], None]) -> None:

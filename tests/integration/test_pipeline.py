@@ -293,6 +293,15 @@ def test_sft_reference_cache_hit(tmp_path):
     again = run_sft(cfg, log=messages.append)
     assert again == out and (out / "model.safetensors").stat().st_mtime_ns == stamp
     assert any("cache hit" in m for m in messages)
+    # a cut-short or changed weights file is found and rebuilt, not trusted: one line says so
+    weights = out / "model.safetensors"
+    good = weights.read_bytes()
+    for damage, said in [(good[: len(good) // 2], "bytes"), (good[:-1] + b"\x01", "sha256")]:
+        weights.write_bytes(damage)
+        messages.clear()
+        assert run_sft(cfg, log=messages.append) == out
+        assert [m for m in messages if "damaged" in m and said in m], messages
+        assert weights.read_bytes() == good  # SFT is deterministic: the same weights again
     changed = run_sft(small_config(tmp_path, "sft.lr=0.001"), log=messages.append)
     assert changed != out  # a different SFT config is a different reference
     # edited training data (same config) is a different reference too
