@@ -11,12 +11,18 @@ from grpo.algo.loss import ObjectiveParams
 from grpo.config.base import Strict, one_of
 from grpo.config.trl_names import rename_trl_keys
 
+# upper bounds on counts, far above any real run, so that a typo (an extra three zeros) is
+# refused by name at once instead of running for years or dying at a failed allocation
+MAX_STEPS = 10_000_000
+MAX_BATCH = 1_000_000  # prompts x completions of one step
+MAX_TOKENS = 1_048_576  # a million tokens: beyond every released model's context
+
 
 class GRPOConfig(Strict):
-    steps: int = Field(100, gt=0)
-    prompts_per_step: int = Field(32, gt=0, description="global, across ranks")
-    num_generations: int = Field(8, ge=2, description="G, completions per prompt")
-    max_completion_length: int = Field(48, gt=0)
+    steps: int = Field(100, gt=0, le=MAX_STEPS)
+    prompts_per_step: int = Field(32, gt=0, le=MAX_BATCH, description="global, across ranks")
+    num_generations: int = Field(8, ge=2, le=MAX_BATCH, description="G, completions per prompt")
+    max_completion_length: int = Field(48, gt=0, le=MAX_TOKENS)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, description="0 disables top-k")
@@ -93,6 +99,7 @@ class GRPOConfig(Strict):
     max_prompt_length: int = Field(
         512,
         gt=0,
+        le=MAX_TOKENS,
         description="prompt tokens (chat template included); longer prompts are "
         "refused by data validation",
     )
@@ -164,6 +171,12 @@ class GRPOConfig(Strict):
             raise ValueError(
                 f"reward_weights has {len(self.reward_weights)} entries for "
                 f"{len(self.reward_funcs)} reward_funcs"
+            )
+        if self.prompts_per_step * self.num_generations > MAX_BATCH:
+            raise ValueError(
+                f"prompts_per_step x num_generations = "
+                f"{self.prompts_per_step * self.num_generations:,} completions a step, more "
+                f"than {MAX_BATCH:,}"
             )
         if "soft_overlong" in self.reward_funcs and not (
             0 < self.overlong_cache <= self.max_completion_length

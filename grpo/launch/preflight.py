@@ -131,6 +131,16 @@ def check_world_size(cfg: Config) -> None:
         raise PreflightError(error)
 
 
+def check_memory(cfg: Config) -> None:
+    """A GRPO step's lower-bound memory fits the machine (grpo.launch.memory)."""
+    from grpo.launch.memory import memory_error
+
+    world = hostfile_world_size(cfg.deepspeed.hostfile) if cfg.deepspeed.hostfile else None
+    error = memory_error(cfg, world or cfg.deepspeed.nproc)
+    if error:
+        raise PreflightError(error)
+
+
 def check_gguf(spec: str) -> None:
     """model.gguf names a file that exists, and the packages that read it are installed."""
     from grpo.models.gguf import check_readers, resolve_gguf
@@ -151,4 +161,5 @@ def preflight(cfg: Config, *, model_dirs: list[str | Path] = (), train: bool = T
         check_model_dir(d)
     if train:
         check_rewards(cfg)
+        check_memory(cfg)
     check_data(cfg)
