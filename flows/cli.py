@@ -65,7 +65,7 @@ def cmd_train(a: argparse.Namespace) -> None:
 
 def cmd_evaluate(a: argparse.Namespace) -> None:
     from grpo.eval.metrics import markdown_table
-    from grpo.eval.run import evaluate_model
+    from grpo.eval.run import default_report_dir, evaluate_model
 
     cfg = _config(a)
     model = a.model
@@ -76,7 +76,7 @@ def cmd_evaluate(a: argparse.Namespace) -> None:
     sets = a.sets.split(",") if a.sets else cfg.eval.sets
     _preflight(cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"sets": sets})}),
                model_dirs=(model, a.baseline), train=False)  # fmt: skip
-    out = a.out or str(cfg.run_dir() / "eval" / Path(model).name)
+    out = a.out or str(default_report_dir(cfg, model))
     samples = a.samples or cfg.eval.samples
     report = evaluate_model(cfg, model, sets, out, samples=samples, limit=a.limit)
     print(markdown_table(report))

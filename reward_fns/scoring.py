@@ -84,6 +84,12 @@ def _call(
         out = list(fn(completions=completions, **columns, **shared))
     except RewardFunctionError:
         raise
+    except SystemExit as e:
+        # sys.exit() inside a reward function would end the rank as if training had finished
+        raise RewardFunctionError(
+            f"reward function {name!r} called sys.exit({e.code!r}): a reward function returns "
+            "scores, it must not end the process"
+        ) from e
     except Exception as batch_error:
         # find the first completion that makes it fail, so the error can name it
         for i in range(len(completions)):

@@ -39,3 +39,18 @@ def kill_rank1_at_step3(completions, **kw):
 
 def raise_value_error(completions, **kw):
     raise ValueError("bad completion")
+
+
+def exits(completions, **kw):
+    import sys
+
+    sys.exit(0)
+
+
+def os_exits(completions, **kw):
+    os._exit(0)
+
+
+def huge(completions, **kw):
+    # finite as a Python float, inf in float32
+    return [1e308 if i % 2 else 0.0 for i in range(len(completions))]

@@ -7,6 +7,7 @@ row and field.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -78,12 +79,23 @@ def normalize(
             if col not in row:
                 raise DataError(f"{source}: row {i}: missing column {col!r} ({field})")
             val = row[col]
+            if isinstance(val, float) and not math.isfinite(val):
+                raise DataError(
+                    f"{source}: row {i}: column {col!r} ({field}) is {val!r}; expected a "
+                    "finite number or a non-empty string"
+                )
             if isinstance(val, (int, float)) and not isinstance(val, bool) and field == "answer":
                 val = str(val)
             if not isinstance(val, str) or not val.strip():
                 raise DataError(
                     f"{source}: row {i}: column {col!r} ({field}) must be a non-empty string, "
                     f"got {val!r:.60}"
+                )
+            if not val.isprintable() and _lone_surrogate(val) is not None:
+                # valid JSON ("\ud800") but no UTF-8: every tokenizer fails on it later
+                raise DataError(
+                    f"{source}: row {i}: column {col!r} ({field}) holds a lone surrogate "
+                    f"(\\u{ord(_lone_surrogate(val)):04x}), which is not a character"
                 )
             rec[field] = val
         rid = row.get(id_column) if id_column else None
@@ -120,3 +132,7 @@ def gsm8k_rows(path: str | Path, with_solution: bool = False) -> list[dict[str, 
 def math500_rows(path: str | Path) -> list[dict[str, Any]]:
     rows = normalize(read_rows(path), str(path), prompt="problem", id_column="unique_id")
     return rows
+
+
+def _lone_surrogate(text: str) -> str | None:
+    return next((c for c in text if "\ud800" <= c <= "\udfff"), None)

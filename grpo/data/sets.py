@@ -93,3 +93,21 @@ def eval_set(name: str, cfg: Config) -> list[dict[str, Any]]:
     return normalize(
         read_rows(path), path, prompt=cols["prompt"], answer=cols["answer"], id_column=cols["id"]
     )
+
+
+def check_gold_answers(rows: list[dict[str, Any]], source: str) -> None:
+    """Every gold answer of a held-out file is math: a number or LaTeX (math-verify parses a
+    word such as "blue" too, as the product of four symbols, which no completion of a math
+    model writes), so a file of word answers does not read 0.000 accuracy without a word."""
+    from reward_fns import gold_parses
+
+    def is_math(a: str) -> bool:
+        return any(c.isdigit() or c == "\\" for c in a) and gold_parses(a)
+
+    bad = [(i, r["answer"]) for i, r in enumerate(rows) if not is_math(r["answer"])]
+    if bad:
+        shown = "; ".join(f"row {i}: {a!r:.40}" for i, a in bad[:3])
+        raise DataError(
+            f"{source}: {len(bad)} of {len(rows)} gold answers are not math answers ({shown}): "
+            "every completion would score 0 against them"
+        )

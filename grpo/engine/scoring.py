@@ -113,7 +113,17 @@ class RewardScorer:
                 raise RewardFunctionError(
                     f"log_extra({k!r}): {len(v)} values for {len(texts)} completions"
                 )
-        return Scores(torch.tensor(rewards, dtype=torch.float32), per_fn, extra)
+        totals = torch.tensor(rewards, dtype=torch.float32)
+        if not torch.isfinite(totals).all():
+            # each score was finite (reward_fns.scoring checks), but not in float32: a reward
+            # of 1e308 became inf here, its group's std NaN, and no step updated anything
+            i = int((~torch.isfinite(totals)).nonzero()[0])
+            raise RewardFunctionError(
+                f"completion {i}: weighted reward {rewards[i]:g} is beyond float32's range "
+                f"(3.4e38); scores by function: "
+                + ", ".join(f"{k}={v[i]!r}" for k, v in per_fn.items())
+            )
+        return Scores(totals, per_fn, extra)
 
     def take_metrics(self) -> dict[str, float]:
         """The mean of each log_metric name since the last call (then forgotten)."""

@@ -158,3 +158,15 @@ def few_shot_prefix(cfg: Config) -> str:
     if len(sft) < cfg.eval.few_shot:
         raise DataError(f"eval.few_shot={cfg.eval.few_shot} but only {len(sft)} SFT examples")
     return "".join(r["prompt"] + r["worked_solution"] + "\n" for r in sft[: cfg.eval.few_shot])
+
+
+def default_report_dir(cfg: Config, model: str | Path) -> Path:
+    """Where `grpo evaluate` writes when not told: under the run directory, named after the
+    model directory and a hash of its full path, so that two models both called `policy` (every
+    GRPO run's is) never overwrite each other's report."""
+    import hashlib
+
+    path = Path(model).resolve()
+    return (
+        cfg.run_dir() / "eval" / f"{path.name}-{hashlib.sha256(str(path).encode()).hexdigest()[:8]}"
+    )

@@ -92,12 +92,16 @@ def check_writable(path: str | Path) -> None:
 
 
 def check_data(cfg: Config, eval_sets: list[str] | None = None) -> None:
-    """The training sets and the held-out sets parse (DataError names file, row and field)."""
-    from grpo.data.sets import eval_set, training_sets
+    """The training sets and the held-out sets parse (DataError names file, row and field),
+    and a held-out file's gold answers are math (the pipeline's data validation checks the
+    training sets' too)."""
+    from grpo.data.sets import check_gold_answers, eval_set, eval_set_file, training_sets
 
     training_sets(cfg)
     for name in cfg.eval.sets if eval_sets is None else eval_sets:
-        eval_set(name, cfg)
+        rows = eval_set(name, cfg)
+        if name not in ("gsm8k", "math500") and eval_set_file(name) is not None:
+            check_gold_answers(rows, name)
 
 
 def hostfile_world_size(path: str | Path) -> int:

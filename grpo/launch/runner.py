@@ -316,7 +316,7 @@ def run_grpo(
     if pace_file is not None:
         args += ["--pace-file", str(pace_file)]
     run_launches(launches(cfg, _worker("train", cfg_path, *args)), log, env)
-    return json.loads((out_dir / "train_summary.json").read_text())
+    return _summary(out_dir / "train_summary.json", "train")
 
 
 def run_control(
@@ -336,4 +336,15 @@ def run_control(
     args = ["--policy", str(reference), "--out", str(out_dir)]
     args += ["--seconds", str(seconds)] if seconds is not None else ["--follow", str(follow)]
     run_launches(launches(cfg, _worker("control", cfg_path, *args)), log, env)
-    return json.loads((out_dir / "control_summary.json").read_text())
+    return _summary(out_dir / "control_summary.json", "control")
+
+
+def _summary(path: Path, stage: str) -> dict[str, Any]:
+    """The summary a stage writes as its last act; missing after exit code 0, something ended
+    the process early (os._exit in a reward function, say)."""
+    if not path.exists():
+        raise StageError(
+            f"{stage} stage exited with 0 but never finished ({path.name} was not written): "
+            "something in it ended the process early, e.g. a reward function calling os._exit"
+        )
+    return json.loads(path.read_text())

@@ -151,3 +151,15 @@ def test_prompts_longer_than_evaluation_holds_are_left_out_and_reported(tmp_path
         in err.getvalue()
     )
     assert m["left_out_ids"][0] in err.getvalue()
+
+
+def test_two_models_called_policy_get_their_own_report_directory(tmp_path):
+    """Every GRPO run's model is `.../policy`: named by the base name alone, the second
+    evaluation overwrote the first's report.json."""
+    from grpo.eval.run import default_report_dir
+
+    cfg = small_config(tmp_path)
+    a, b = tmp_path / "run1" / "policy", tmp_path / "run2" / "policy"
+    assert default_report_dir(cfg, a) != default_report_dir(cfg, b)
+    assert default_report_dir(cfg, a).name.startswith("policy-")
+    assert default_report_dir(cfg, a) == default_report_dir(cfg, tmp_path / "run2/../run1/policy")

@@ -122,6 +122,11 @@ def test_an_error_inside_a_rank_reaches_the_user_as_one_line(tmp_path):
     )  # fmt: skip
     line = _one_line_error(code, out, err, "rank 0", "RewardFunctionError", "raise_value_error")
     assert "bad completion" in line
+    # a reward function that ends the process (os._exit(0)): no "train_summary.json: No such
+    # file", but what happened; --overwrite as the first run left its directory
+    exits = ["grpo.reward_funcs=['tests.fault_rewards:os_exits']", "grpo.reward_weights=[1]"]
+    code, out, err, _ = _grpo("train", "--overwrite", *_sets(tmp_path, *exits), cwd=ROOT)
+    _one_line_error(code, out, err, "exited with 0 but never finished", "os._exit")
 
 
 def test_two_pipelines_on_a_fresh_store_both_finish(tmp_path):

@@ -71,6 +71,20 @@ def test_non_finite_loss_is_skipped_or_stops_keeping_the_checkpoint(tmp_path, po
         assert torch.equal(v, saved[k]), k
 
 
+def test_a_reward_beyond_float32_stops_the_run_naming_it(tmp_path):
+    """1e308 is a finite Python float and inf in float32: it made reward inf and reward_std NaN,
+    and the run exited 0 without a single update."""
+    from grpo.engine.loop import Trainer
+    from reward_fns.scoring import RewardFunctionError
+
+    cfg = small_config(tmp_path, "grpo.reward_funcs=['tests.fault_rewards:huge']",
+                       "grpo.reward_weights=[1]")  # fmt: skip
+    t = Trainer(cfg, base_model_dir(cfg), tmp_path / "grpo")
+    with pytest.raises(RewardFunctionError, match=r"completion 1: weighted reward 1e\+308 is "
+                       r"beyond float32's range .*huge=1e\+308"):  # fmt: skip
+        t.train(progress=False)
+
+
 def test_a_dead_rank_fails_the_stage_with_its_error_and_keeps_the_checkpoint(tmp_path):
     cfg = small_config(
         tmp_path, "deepspeed.nproc=2", "deepspeed.timeout_s=60", "grpo.steps=6",

@@ -67,3 +67,24 @@ def test_named_sets_are_read_from_grpo_data_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("GRPO_DATA_DIR", str(tmp_path / "nowhere"))
     with pytest.raises(DataError, match="nowhere: data folder not found.*GRPO_DATA_DIR"):
         eval_set("gsm8k", cfg)
+
+
+def test_rows_no_tokenizer_or_grader_could_use_are_named(tmp_path):
+    """A lone surrogate (valid JSON, no character) used to end in a tokenizer traceback, a NaN
+    answer was taken as the text "nan", and a held-out file of non-math answers scored 0.000
+    without a word."""
+    from grpo.data.files import normalize
+    from grpo.data.sets import check_gold_answers
+
+    with pytest.raises(DataError, match=r"f.jsonl: row 1: column 'prompt' .*lone surrogate"):
+        normalize([{"prompt": "1+1=", "answer": "2"}, {"prompt": "a\ud800", "answer": "2"}],
+                  "f.jsonl")  # fmt: skip
+    with pytest.raises(DataError, match=r"row 0: column 'answer' \(answer\) is nan"):
+        normalize([{"prompt": "1+1=", "answer": float("nan")}], "f.jsonl")
+    rows = normalize([{"prompt": "p", "answer": a} for a in ("2", "\\frac{1}{2}", "blue", 7)],
+                     "f.jsonl")  # fmt: skip
+    with pytest.raises(
+        DataError, match=r"1 of 4 gold answers are not math answers \(row 2: 'blue'"
+    ):
+        check_gold_answers(rows, "f.jsonl")
+    check_gold_answers([r for r in rows if r["answer"] != "blue"], "f.jsonl")

@@ -119,6 +119,11 @@ def test_failing_reward_function_is_named_with_the_completion_index():
         score({"picky": picky}, [1.0], ["a", "ab", "abc", "abcd"], {})
     with pytest.raises(RewardFunctionError, match="returned nan"):
         score({"nan": lambda completions, **k: [float("nan")] * len(completions)}, [1.0], ["a"], {})
+    from tests.fault_rewards import exits
+
+    # sys.exit() in a reward function: named, instead of ending the rank as if it had finished
+    with pytest.raises(RewardFunctionError, match=r"'exits' called sys.exit\(0\)"):
+        score({"exits": exits}, [1.0], ["a"], {})
 
 
 def test_registry_resolves_names_and_import_paths():
