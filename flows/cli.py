@@ -106,11 +106,14 @@ def cmd_pipeline(a: argparse.Namespace) -> None:
 
     _preflight(_config(a), tracking=True)
     migrate_local_database()
-    params = PipelineParams(config=a.config, overrides=list(a.set or []), control=not a.no_control)
+    params = PipelineParams(config=a.config, overrides=list(a.set or []), control=not a.no_control,
+                            resume=a.resume)  # fmt: skip
     with pipeline_api():
         state = grpo_pipeline(params, return_state=True)
     if state.is_cancelled():  # interrupted: the flow ended its runs and recorded it
-        raise Interrupted(signal.SIGTERM if "SIGTERM" in (state.message or "") else signal.SIGINT)
+        message = state.message or ""
+        sig = signal.SIGTERM if message.startswith("stopped by SIGTERM") else signal.SIGINT
+        raise Interrupted(sig, message.partition("; ")[2])
     state.result()  # a failed pipeline raises its error here
 
 
@@ -172,6 +175,9 @@ def main(argv: list[str] | None = None) -> None:
     pl.add_argument("--no-control", action="store_true",
                     help="skip the SFT-continued control (GRPO is then compared with its "
                     "reference only)")  # fmt: skip
+    pl.add_argument("--resume", metavar="RUN_ID",
+                    help="continue a pipeline that did not finish (its MLflow run id, printed "
+                    "when it stopped): same config, GRPO from its last checkpoint")  # fmt: skip
     pr = add("promote", cmd_promote, "point an alias (default champion) at a model version")
     pr.add_argument("--version", required=True)
     pr.add_argument("--alias", default="champion")
@@ -205,13 +211,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         run()
     except KeyboardInterrupt as e:
-        if isinstance(e, Interrupted):  # Prefect's engine caught the signal first
+        detail = RESUME[a.command]
+        if isinstance(e, Interrupted):  # the pipeline's flow caught the signal and ended
             signals.insert(0, e.signum)
+            detail = e.detail or detail
         if not signals:  # raised by something else than our handler: still one line
             signals.append(signal.SIGINT)
-        print(
-            f"interrupted ({signal.Signals(signals[0]).name}): {RESUME[a.command]}", file=sys.stderr
-        )
+        print(f"interrupted ({signal.Signals(signals[0]).name}): {detail}", file=sys.stderr)
         if a.debug:
             raise
         sys.exit(128 + signals[0])
@@ -225,9 +231,9 @@ def main(argv: list[str] | None = None) -> None:
 class Interrupted(KeyboardInterrupt):
     """A command stopped by a signal that someone else handled first (the pipeline's flow)."""
 
-    def __init__(self, signum: int) -> None:
+    def __init__(self, signum: int, detail: str = "") -> None:
         super().__init__()
-        self.signum = signum
+        self.signum, self.detail = signum, detail
 
 
 # what a user does after stopping a command (Ctrl-C, SIGTERM): printed as its last line
@@ -237,8 +243,8 @@ RESUME = {
     "train": "every rank stopped; the same command with --resume continues from the last "
     "checkpoint",
     "evaluate": "every process stopped; run the same command again",
-    "pipeline": "every stage stopped, its MLflow runs ended KILLED; `grpo pipeline` again "
-    "reuses the cached SFT reference",
+    "pipeline": "every stage stopped, its MLflow runs ended KILLED; `grpo pipeline --resume "
+    "RUN_ID` (the MLflow run printed above) continues it, GRPO from its last checkpoint",
     "promote": "nothing was changed unless the alias line was printed",
     "import-gguf": "stopped; the next run converts the file again",
 }

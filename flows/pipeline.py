@@ -28,6 +28,11 @@ class PipelineParams(BaseModel):
     )
     overrides: list[str] = Field(default_factory=list, description="key=value overrides")
     control: bool = Field(True, description="also train the SFT-continued control")
+    resume: str | None = Field(
+        None,
+        description="MLflow run id of a pipeline that did not finish: continue it (same parent "
+        "run and run directory; GRPO from its last checkpoint)",
+    )
 
 
 @flow(name="grpo-pipeline", log_prints=True)
@@ -44,21 +49,27 @@ def grpo_pipeline(params: PipelineParams = PipelineParams()) -> Any:  # noqa: B0
             f"ended KILLED {len(closed)} MLflow run(s) left RUNNING by a pipeline on this host "
             f"that was killed: {', '.join(closed)}"
         )
-    parent = c.create_run(
-        exp_id,
-        run_name=f"{cfg.run_name}-{time.strftime('%Y%m%d-%H%M%S')}",
-        tags={"mlflow.source.git.commit": tracking.git_commit(), "mlflow.source.type": "JOB",
-              "mlflow.source.name": "flows/pipeline.py:grpo_pipeline",
-              "config_digest": cfg.digest(), "data_hash": cfg.digest("data"),
-              "pipeline_version": tracking.package_version(), **tracking.machine_tags(),
-              **tracking.owner_tags()},
-    )  # fmt: skip
-    pid = parent.info.run_id
+    if params.resume:
+        pid = tracking.reopen_parent(c, exp_id, params.resume, cfg)
+        run_dir = Path(cfg.output_dir) / cfg.run_name / pid
+        print(f"resuming pipeline run {pid} in {run_dir}")
+    else:
+        parent = c.create_run(
+            exp_id,
+            run_name=f"{cfg.run_name}-{time.strftime('%Y%m%d-%H%M%S')}",
+            tags={"mlflow.source.git.commit": tracking.git_commit(), "mlflow.source.type": "JOB",
+                  "mlflow.source.name": "flows/pipeline.py:grpo_pipeline",
+                  "config_digest": cfg.digest(), "data_hash": cfg.digest("data"),
+                  "pipeline_version": tracking.package_version(), **tracking.machine_tags(),
+                  **tracking.owner_tags()},
+        )  # fmt: skip
+        pid = parent.info.run_id
+        run_dir = Path(cfg.output_dir) / cfg.run_name / pid
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tracking.log_params(c, pid, tracking.safe_params(cfg))
+        c.log_dict(pid, cfg.model_dump(mode="json"), "config/resolved.json")
+        print(f"pipeline run {pid} in {run_dir}")
     _link_mlflow_run(tracking.tracking_uri(cfg), exp_id, pid)
-    run_dir = Path(cfg.output_dir) / cfg.run_name / pid
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tracking.log_params(c, pid, tracking.safe_params(cfg))
-    c.log_dict(pid, cfg.model_dump(mode="json"), "config/resolved.json")
     t0 = time.time()
     try:
         stages.validate_data(cfg, pid, run_dir)
@@ -80,7 +91,9 @@ def grpo_pipeline(params: PipelineParams = PipelineParams()) -> Any:  # noqa: B0
         stop_started()
         c.set_terminated(pid, "KILLED")
         name = signal.Signals(getattr(e, "signal", signal.SIGINT)).name
-        return Cancelled(message=f"stopped by {name}")
+        return Cancelled(message=f"stopped by {name}; its stages stopped and its MLflow runs "
+                         f"ended KILLED; `grpo pipeline --resume {pid}` (same config) continues "
+                         "it, GRPO from its last checkpoint")  # fmt: skip
     except BaseException:
         c.set_terminated(pid, "FAILED")
         raise
@@ -99,11 +112,23 @@ def _train_with_control(
     following its pace file, or after it for its seconds (sft.control)."""
     from grpo.engine.pace import PACE_FILE, mark_done
     from tasks import stages
+    from tasks.tracking import read_jsonl
 
     # the control needs worked solutions to continue SFT on, not an SFT-built reference: from
     # an instruct model used as is (sft.enabled false) it is SFT started at that model
     if not (control and cfg.has_worked_solutions):
         return stages.train_policy(cfg, pid, ref, run_dir), None
+    ctl_dir = run_dir / "sft_control"
+    if (run_dir / "grpo" / "checkpoints" / "latest").exists():
+        # a resumed pipeline: GRPO continues from its checkpoint; a control that finished is
+        # kept, one that did not trains after GRPO for all of GRPO's training time
+        trained = stages.train_policy(cfg, pid, ref, run_dir)
+        if (ctl_dir / "control_summary.json").exists():
+            return trained, str(ctl_dir)
+        seconds = sum(
+            r.get("step_time", 0.0) for r in read_jsonl(run_dir / "grpo" / "metrics.jsonl")
+        )
+        return trained, stages.sft_control(cfg, pid, ref, run_dir, seconds=seconds)
     threads = stages.control_threads(cfg)
     if threads is None:
         trained = stages.train_policy(cfg, pid, ref, run_dir)

@@ -388,3 +388,39 @@ def close_orphaned_runs(client: Any, experiment_id: str) -> list[str]:
             client.set_terminated(r.info.run_id, "KILLED")
         closed.append(run.info.run_name)
     return closed
+
+
+class ResumeError(UserError, ValueError):
+    """A pipeline run that cannot be resumed; the message says why."""
+
+
+def reopen_parent(client: Any, experiment_id: str, run_id: str, cfg: Config) -> str:
+    """Check that `run_id` is an unfinished pipeline of this experiment, made with this config,
+    whose run directory is still there and whose owner is gone; mark it RUNNING again, owned
+    by this process. Returns the run id."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        run = client.get_run(run_id)
+    except MlflowException as e:
+        raise ResumeError(f"--resume {run_id}: no such MLflow run in {tracking_uri(cfg)}") from e
+    tags, status = run.data.tags, run.info.status
+    if run.info.experiment_id != experiment_id or "mlflow.parentRunId" in tags:
+        raise ResumeError(f"--resume {run_id}: not a pipeline run of {cfg.tracking.experiment!r}")
+    if status == "FINISHED":
+        raise ResumeError(f"--resume {run_id}: that pipeline finished; start a new one")
+    if status == "RUNNING" and _owner_alive(tags):
+        raise ResumeError(f"--resume {run_id}: still running (pid {tags.get('pipeline.pid')})")
+    if tags.get("config_digest") != cfg.digest():
+        raise ResumeError(
+            f"--resume {run_id}: it ran with another config (digest {tags.get('config_digest')}, "
+            f"this one {cfg.digest()}): give the same --config and --set as it had"
+        )
+    run_dir = Path(cfg.output_dir) / cfg.run_name / run_id
+    if not run_dir.is_dir():
+        raise ResumeError(f"--resume {run_id}: its run directory {run_dir} is gone")
+    client.update_run(run_id, status="RUNNING")
+    for k, v in owner_tags().items():
+        client.set_tag(run_id, k, v)
+    client.set_tag(run_id, "resumed", str(int(tags.get("resumed", "0")) + 1))
+    return run_id

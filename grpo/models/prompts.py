@@ -44,6 +44,11 @@ def encode_prompts(
 def prompt_token_counts(tok: Any, cfg: Config, prompts: list[str]) -> list[int]:
     """Tokens of each prompt as the model sees it (chat template included)."""
     texts = [render_prompt(tok, p, cfg) for p in prompts]
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None and backend.padding is None:
+        # the Rust tokenizer alone: half the time on a million prompts, most of the rest was
+        # transformers turning each encoding into Python lists (validation counts every row)
+        return [len(e) for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
     return [len(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"]]
 
 

@@ -1,6 +1,7 @@
 """Ctrl-C and SIGTERM, as a user or a scheduler sends them: every process a command started
 stops within seconds, one line says what to do next, and the runs are ended, not left RUNNING."""
 
+import json
 import os
 import signal
 import subprocess
@@ -86,25 +87,52 @@ def test_stopping_grpo_train_stops_its_ranks_at_once(tmp_path, nproc, sig):
     assert done >= 1 and list((out / "checkpoints").glob("step*"))
 
 
-def test_ctrl_c_stops_a_pipeline_its_servers_and_ends_its_runs(tmp_path):
+def test_ctrl_c_stops_a_pipeline_and_resume_continues_it(tmp_path):
     """Ctrl-C in the terminal (SIGINT to the process group) during GRPO: the pipeline, its
     stages and its temporary Prefect server stop within seconds (before: 141 s, tracebacks);
-    the MLflow runs end KILLED and the flow run Cancelled."""
+    the MLflow runs end KILLED and the flow run Cancelled. `grpo pipeline --resume RUN_ID` then
+    finishes the same parent run, GRPO from its checkpoint (before: a rerun started over)."""
     from mlflow import MlflowClient
 
-    sets = _sets(f"output_dir={tmp_path / 'runs'}", "grpo.steps=100000", "grpo.eval_every=0")
+    sets = _sets(f"output_dir={tmp_path / 'runs'}", "grpo.steps=200", "grpo.checkpoint_every=10",
+                 "grpo.eval_every=0")  # fmt: skip
     proc = _start(["pipeline", *sets], cwd=tmp_path, session=True)
-    _wait_for_steps(proc, "runs/tiny/*/grpo/metrics.jsonl", tmp_path)
+    _wait_for_steps(proc, "runs/tiny/*/grpo/checkpoints/latest", tmp_path)
     secs, alive, out, err = _stop(proc, signal.SIGINT, group=True)
     assert secs < STOP_S and not alive, (secs, alive, err[-2000:])
     assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
-    assert _last_line(err).startswith("interrupted (SIGINT):"), err[-2000:]
+    line = _last_line(err)
+    assert line.startswith("interrupted (SIGINT):") and "--resume" in line, err[-2000:]
     assert "Finished in state Cancelled" in out + err
     assert "ConnectError" not in out + err  # the server outlived the interrupt
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     c = MlflowClient(uri, uri)
-    runs = c.search_runs([e.experiment_id for e in c.search_experiments()])
-    status = {r.info.run_name: r.info.status for r in runs if r.info.run_name != "validate"}
-    parent = next(n for n in status if n.startswith("tiny-"))
-    assert status[parent] == status["grpo"] == "KILLED", status
-    assert "RUNNING" not in status.values(), status
+    exp = c.get_experiment_by_name("grpo-tiny").experiment_id
+    (parent,) = [r for r in c.search_runs([exp]) if "mlflow.parentRunId" not in r.data.tags]
+    pid = parent.info.run_id
+    assert f"--resume {pid}" in line
+    kids = {r.info.run_name: r.info.status for r in c.search_runs([exp]) if r.info.run_id != pid}
+    assert parent.info.status == kids["grpo"] == "KILLED", kids
+    assert "RUNNING" not in kids.values(), kids
+    grpo_dir = tmp_path / "runs" / "tiny" / pid / "grpo"
+    stopped_at = int((grpo_dir / "checkpoints" / "latest").read_text().removeprefix("step"))
+    assert stopped_at < 200
+
+    again = subprocess.run([sys.executable, "-m", "flows.cli", "pipeline", "--resume", pid, *sets],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert c.get_run(pid).info.status == "FINISHED"
+    steps = [json.loads(x)["step"] for x in (grpo_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 201))  # continued, not started over, each step once
+    runs = c.search_runs([exp], f"tags.mlflow.parentRunId = '{pid}'")
+    assert sorted(r.info.status for r in runs if r.info.run_name == "grpo") == [
+        "FINISHED",
+        "KILLED",
+    ]
+    assert c.get_model_version_by_alias("grpo-tiny-math", "challenger").run_id in {
+        r.info.run_id for r in runs
+    }
+    # a finished pipeline is not resumed: one line, nothing run
+    code = subprocess.run([sys.executable, "-m", "flows.cli", "pipeline", "--resume", pid, *sets],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert code.returncode == 2 and "that pipeline finished" in code.stderr, code.stderr[-2000:]
