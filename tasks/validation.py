@@ -20,6 +20,7 @@ from grpo.models.prompts import (
     model_context,
     prompt_token_counts,
 )
+from grpo.progress import progress_bar
 from reward_fns import gold_parses
 from reward_fns.errors import UserError
 
@@ -115,7 +116,10 @@ def validate_datasets(cfg: Config, docs_dir: Path) -> dict[str, Any]:
     base = base_model_dir(cfg)
     tok = load_tokenizer(base)
     eval_limit = eval_prompt_limit(cfg, model_context(base))
+    # progress in rows over every dataset: a million-row file takes most of a minute
+    bar = progress_bar(sum(len(r) for r, _ in datasets.values()), "validate", "row")
     for name, (rows, kind) in datasets.items():
+        bar.set_postfix_str(name)
         df = _frame(rows, train_prompts if kind == "heldout" else None, tok, cfg)
         asset = source.add_dataframe_asset(name)
         batch_def = asset.add_batch_definition_whole_dataframe(f"{name}_all")
@@ -147,6 +151,8 @@ def validate_datasets(cfg: Config, docs_dir: Path) -> dict[str, Any]:
                     summary["failed"].append({"expectation": desc, "rows": bad})
                     failures.append(f"{name}: {desc} failed; e.g. rows {bad}")
         results[name] = summary
+        bar.update(len(rows))
+    bar.close()
     if failures:
         raise DataValidationError(
             "data validation failed, no training started:\n  " + "\n  ".join(failures)

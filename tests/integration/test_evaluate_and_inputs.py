@@ -163,3 +163,20 @@ def test_two_models_called_policy_get_their_own_report_directory(tmp_path):
     assert default_report_dir(cfg, a) != default_report_dir(cfg, b)
     assert default_report_dir(cfg, a).name.startswith("policy-")
     assert default_report_dir(cfg, a) == default_report_dir(cfg, tmp_path / "run2/../run1/policy")
+
+
+def test_token_counts_of_the_fast_path_equal_the_tokenizers_own(tmp_path):
+    """Validation counts prompt tokens with the Rust tokenizer alone (twice as fast on a
+    million rows): the counts must be transformers' own (the chat template is rendered into
+    the text before either counts)."""
+    from grpo.models.loading import load_tokenizer
+    from grpo.models.prompts import prompt_token_counts, render_prompt
+
+    prompts = ["12+34=", "What is 7 * 8?  Think.", "x" * 300, "é ü 😀"]
+    cfg = small_config(tmp_path)
+    tok = load_tokenizer(base_model_dir(cfg))
+    assert tok.backend_tokenizer is not None  # the fast path is the one taken
+    own = [len(tok(render_prompt(tok, p, cfg), add_special_tokens=False)["input_ids"])
+           for p in prompts]  # fmt: skip
+    assert prompt_token_counts(tok, cfg, prompts) == own
+    assert own[2] >= 300  # one token per character in the tiny model

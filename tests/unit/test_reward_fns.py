@@ -209,3 +209,12 @@ def test_an_integer_answer_must_be_written_out_not_copied_as_the_problem():
     assert accuracy(["<answer>\\frac{3}{2}</answer>", "<answer>3/2</answer>"], ["1.5"] * 2) == [
         1.0, 1.0,
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize("gold", ["0", "12", "-7", "3.25", "-0.5", "007", "1000000"])
+def test_the_plain_number_shortcut_agrees_with_math_verify(gold):
+    """gold_parses skips math-verify for plain numbers (validation of a million rows): it must
+    say what math-verify says."""
+    from reward_fns.accuracy import _gold_parses, gold_parses
+
+    assert gold_parses(gold) is True and _gold_parses(gold) is True
