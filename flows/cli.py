@@ -104,7 +104,12 @@ def cmd_pipeline(a: argparse.Namespace) -> None:
     from flows.pipeline import PipelineParams, grpo_pipeline
     from flows.prefect_db import migrate_local_database, pipeline_api
 
-    _preflight(_config(a), tracking=True)
+    cfg = _config(a)
+    _preflight(cfg, tracking=True)
+    if a.resume:
+        from tasks.tracking import check_resumable
+
+        check_resumable(cfg, a.resume)
     migrate_local_database()
     params = PipelineParams(config=a.config, overrides=list(a.set or []), control=not a.no_control,
                             resume=a.resume)  # fmt: skip

@@ -394,10 +394,30 @@ class ResumeError(UserError, ValueError):
     """A pipeline run that cannot be resumed; the message says why."""
 
 
+def check_resumable(cfg: Config, run_id: str) -> None:
+    """Refuse (ResumeError) a --resume of anything but an unfinished pipeline of this
+    experiment, made with this config, whose run directory is still there and whose owner is
+    gone: checked before a server or a stage starts."""
+    c = client(cfg)
+    exp = c.get_experiment_by_name(cfg.tracking.experiment)
+    if exp is None:
+        raise ResumeError(f"--resume {run_id}: no experiment {cfg.tracking.experiment!r} in "
+                          f"{tracking_uri(cfg)}")  # fmt: skip
+    _resumable(c, exp.experiment_id, run_id, cfg)
+
+
 def reopen_parent(client: Any, experiment_id: str, run_id: str, cfg: Config) -> str:
-    """Check that `run_id` is an unfinished pipeline of this experiment, made with this config,
-    whose run directory is still there and whose owner is gone; mark it RUNNING again, owned
-    by this process. Returns the run id."""
+    """check_resumable, then mark the run RUNNING again, owned by this process. Returns the
+    run id."""
+    tags = _resumable(client, experiment_id, run_id, cfg)
+    client.update_run(run_id, status="RUNNING")
+    for k, v in owner_tags().items():
+        client.set_tag(run_id, k, v)
+    client.set_tag(run_id, "resumed", str(int(tags.get("resumed", "0")) + 1))
+    return run_id
+
+
+def _resumable(client: Any, experiment_id: str, run_id: str, cfg: Config) -> dict[str, str]:
     from mlflow.exceptions import MlflowException
 
     try:
@@ -419,8 +439,4 @@ def reopen_parent(client: Any, experiment_id: str, run_id: str, cfg: Config) -> 
     run_dir = Path(cfg.output_dir) / cfg.run_name / run_id
     if not run_dir.is_dir():
         raise ResumeError(f"--resume {run_id}: its run directory {run_dir} is gone")
-    client.update_run(run_id, status="RUNNING")
-    for k, v in owner_tags().items():
-        client.set_tag(run_id, k, v)
-    client.set_tag(run_id, "resumed", str(int(tags.get("resumed", "0")) + 1))
-    return run_id
+    return tags
