@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from reward_fns.errors import UserError
+
 CLIENT_KEYS = ("step", "rng")  # the training order is a function of the step alone
 
 
@@ -42,7 +44,11 @@ def save(engine: Any, root: Path, step: int, client: dict[str, Any], rank: int, 
     if rank == 0 and (root / tmp).exists():
         shutil.rmtree(root / tmp)
     dist.barrier()
-    engine.save_checkpoint(str(root), tag=tmp, client_state=client, save_latest=False)
+    try:
+        engine.save_checkpoint(str(root), tag=tmp, client_state=client, save_latest=False)
+    except (OSError, RuntimeError) as e:  # torch's zip writer reports a short write as Runtime
+        shutil.rmtree(root / tmp, ignore_errors=True)
+        raise CheckpointWriteError(write_failure(root, step, e)) from e
     dist.barrier()
     if rank == 0:
         if (root / tag).exists():
@@ -56,6 +62,27 @@ def save(engine: Any, root: Path, step: int, client: dict[str, Any], rank: int, 
             shutil.rmtree(old)
     dist.barrier()
     return tag
+
+
+class CheckpointWriteError(UserError, OSError):
+    """A checkpoint could not be written (disk full, a file-size limit, permissions)."""
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.1f} MB"
+
+
+def write_failure(root: Path, step: int, e: BaseException) -> str:
+    """One line: what failed, the space there against what a checkpoint takes, what is kept.
+    (Before, a full disk read "RuntimeError: ... unexpected pos 1461888 vs 1461776".)"""
+    cause = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+    free = shutil.disk_usage(root).free
+    prev = latest_tag(root)
+    need = sum(f.stat().st_size for f in (root / prev).rglob("*") if f.is_file()) if prev else 0
+    if need and free < need:
+        cause = f"no space left on device: {_mb(free)} free, a checkpoint takes {_mb(need)}"
+    kept = f"the checkpoint {prev} is kept" if prev else "no earlier checkpoint exists"
+    return f"checkpoint of step {step} could not be written to {root} ({cause}); {kept}"
 
 
 def load(engine: Any, root: Path) -> dict[str, Any] | None:

@@ -100,3 +100,63 @@ def test_a_dead_rank_fails_the_stage_with_its_error_and_keeps_the_checkpoint(tmp
     latest = (out / "checkpoints" / "latest").read_text().strip()
     assert latest == "step0000002"  # written before rank 1 died at step 3
     assert (out / "checkpoints" / latest / "mp_rank_00_model_states.pt").exists()
+
+
+def test_a_checkpoint_that_cannot_be_written_is_named_and_the_last_one_kept(tmp_path):
+    """A write that fails halfway (here the rank's file-size limit, set once its first
+    checkpoint is written; a full disk fails the same way): one line naming the step, the
+    directory and the cause, no partial `.tmp` left, the previous checkpoint kept. Before: a
+    full disk read "RuntimeError: ... unexpected pos 1461888 vs 1461776" and left the .tmp."""
+    import signal
+    import threading
+
+    import psutil
+
+    cfg = small_config(tmp_path, "grpo.steps=400", "grpo.checkpoint_every=1")
+    out, base, failed = tmp_path / "grpo", base_model_dir(cfg), []
+
+    def train() -> None:
+        try:
+            run_grpo(cfg, base, out, log=lambda s: None)
+        except StageError as e:
+            failed.append(e)
+
+    # over its limit a write fails with EFBIG instead of the signal killing the process
+    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        thread = threading.Thread(target=train)
+        thread.start()
+        deadline = time.time() + 180
+        while not (out / "checkpoints" / "latest").exists():
+            assert time.time() < deadline and thread.is_alive(), "no first checkpoint"
+            time.sleep(0.05)
+        (rank,) = [p for p in psutil.Process().children(recursive=True)
+                   if "grpo.launch.worker" in " ".join(p.cmdline())]  # fmt: skip
+        rank.rlimit(psutil.RLIMIT_FSIZE, (40_000, 40_000))  # a model file is 90 KB
+        thread.join(timeout=180)
+    finally:
+        signal.signal(signal.SIGXFSZ, old)
+    assert failed, "the run did not fail"
+    msg = str(failed[0])
+    assert "CheckpointWriteError: checkpoint of step" in msg and str(out / "checkpoints") in msg
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    assert f"the checkpoint {latest} is kept" in msg, msg
+    assert len(msg.splitlines()) == 1
+    assert not list((out / "checkpoints").glob("*.tmp"))
+    assert (out / "checkpoints" / latest / "mp_rank_00_model_states.pt").stat().st_size > 40_000
+
+
+def test_a_single_rank_leaves_no_rendezvous_file_behind(tmp_path):
+    """Every single-rank stage made a grpo-dist-* file in the temp directory and left it (54
+    after one afternoon); the directory it now uses goes when the process exits."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os, tempfile; from grpo.engine.distributed import init_distributed; "
+            "init_distributed(60); print(os.listdir(tempfile.gettempdir()))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TMPDIR": str(tmp_path)},
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "grpo-dist-" in out.stdout  # there while it ran
+    assert not list(tmp_path.glob("grpo-dist-*"))  # gone after
