@@ -218,7 +218,8 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt as e:
         detail = RESUME[a.command]
         if isinstance(e, Interrupted):  # the pipeline's flow caught the signal and ended
-            signals.insert(0, e.signum)
+            if not signals:  # Prefect's engine, not our handler, took it: the flow names it
+                signals.append(e.signum)
             detail = e.detail or detail
         if not signals:  # raised by something else than our handler: still one line
             signals.append(signal.SIGINT)
