@@ -98,6 +98,7 @@ def grpo_pipeline(params: PipelineParams = PipelineParams()) -> Any:  # noqa: B0
         c.set_terminated(pid, "FAILED")
         raise
     c.set_tag(pid, "registered_version", reg["version"])
+    tracking.record_decision(c, pid, reg)
     c.set_terminated(pid, "FINISHED")
     result = {"parent_run_id": pid, "table": ev["table"], "registered": reg,
               "seconds": time.time() - t0, "tracking_uri": tracking.tracking_uri(cfg)}  # fmt: skip

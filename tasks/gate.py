@@ -97,3 +97,40 @@ def describe(cfg_summary: dict[str, Any], table_md: str) -> str:
         table_md,
     ]
     return "\n".join(lines)
+
+
+def _comparison(d: dict[str, float] | None, need: str) -> str:
+    if not _finite(d):
+        return "not available"
+    assert d is not None
+    ok = d["ci_low"] > float(need)
+    return (f"{d['diff']:+.3f} [{d['ci_low']:+.3f}, {d.get('ci_high', math.nan):+.3f}] "
+            f"(lower bound must be > {float(need):g}: {'met' if ok else 'not met'})")  # fmt: skip
+
+
+def decision_markdown(
+    name: str,
+    version: str,
+    promoted: bool,
+    reason: str,
+    vs_reference: dict[str, float] | None,
+    vs_champion: dict[str, float] | None,
+    champion_version: str | None,
+    margin: float,
+) -> str:
+    """The gate's decision and both paired comparisons, for where people look first: the
+    version's description, the pipeline's parent run and the Prefect flow run. (The decisive
+    comparison used to be missing when the reference check failed first.)"""
+    aliases = "@champion and @challenger" if promoted else "@challenger"
+    lines = [
+        f"**{name} version {version}: {'promoted' if promoted else 'not promoted'}** "
+        f"({aliases}). {reason}",
+        "",
+        f"- against its own SFT reference: {_comparison(vs_reference, '0')}",
+    ]
+    if champion_version is None:
+        lines.append("- against the champion: there was none")
+    else:
+        lines.append(f"- against champion v{champion_version}: "
+                     f"{_comparison(vs_champion, str(margin))}")  # fmt: skip
+    return "\n".join(lines)

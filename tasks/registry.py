@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo.config import Config
-from tasks.gate import decide, evidence_tags
+from tasks.gate import decide, decision_markdown, evidence_tags
 from tasks.tracking import client, safe_key
 
 
@@ -53,9 +53,13 @@ def register(
     c.set_registered_model_alias(name, "challenger", mv.version)
     if promoted:
         c.set_registered_model_alias(name, "champion", mv.version)
-    text = f"{description}\n\nPromotion gate: {reason}".strip()
-    c.update_model_version(name, mv.version, description=text)
-    return {"name": name, "version": mv.version, "champion": promoted, "reason": reason}
+    decision = decision_markdown(
+        name, str(mv.version), promoted, reason, vs_reference, vs_champion, champion_version,
+        cfg.tracking.promotion_margin,
+    )  # fmt: skip
+    c.update_model_version(name, mv.version, description=f"{decision}\n\n{description}".strip())
+    return {"name": name, "version": mv.version, "champion": promoted, "reason": reason,
+            "decision": decision}  # fmt: skip
 
 
 def champion(cfg: Config, dst: Path) -> dict[str, Any]:

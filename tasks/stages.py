@@ -297,9 +297,15 @@ def register_model(
         "group": g.num_generations, "loss": g.loss_type, "lr": g.lr, "beta": g.beta,
         "reference": reference, "data": f"{cfg.data.task} (digest {cfg.digest('data')})",
     }  # fmt: skip
-    return register(
+    reg = register(
         cfg, trained["run_id"], trained["model_uri"], own,
         vs_reference=ev["paired"].get("grpo", {}).get(s), vs_champion=vs_champion,
         champion_version=champ["version"],
         description=describe(summary, ev["markdown"]),
     )  # fmt: skip
+    # the decision on the flow run too, where a scheduled run's user looks first
+    from prefect.artifacts import create_markdown_artifact
+
+    create_markdown_artifact(key="promotion", markdown=reg["decision"],
+                             description="the promotion gate's decision")  # fmt: skip
+    return reg

@@ -440,3 +440,16 @@ def _resumable(client: Any, experiment_id: str, run_id: str, cfg: Config) -> dic
     if not run_dir.is_dir():
         raise ResumeError(f"--resume {run_id}: its run directory {run_dir} is gone")
     return tags
+
+
+def record_decision(client: Any, parent_id: str, reg: dict[str, Any]) -> None:
+    """The promotion decision on the pipeline's parent run, where a user comparing runs looks:
+    tags (version, aliases, decision, reason) and the run's description (MLflow's note)."""
+    aliases = "champion,challenger" if reg["champion"] else "challenger"
+    tags = {
+        "promotion.version": str(reg["version"]), "promotion.aliases": aliases,
+        "promotion.decision": "promoted" if reg["champion"] else "not promoted",
+        "promotion.reason": reg["reason"], "mlflow.note.content": reg["decision"],
+    }  # fmt: skip
+    for k, v in tags.items():
+        client.set_tag(parent_id, k, v)

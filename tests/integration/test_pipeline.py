@@ -153,6 +153,22 @@ def test_end_to_end_logs_registers_and_loads(store):
 
     mv = c.get_model_version_by_alias("tiny-e2e", "challenger")
     assert mv.run_id == grpo_run
+    # the decision where users look: the parent run (tags, description) and the flow run
+    decided = "promoted" if result["registered"]["champion"] else "not promoted"
+    assert parent.data.tags["promotion.version"] == str(mv.version)
+    assert parent.data.tags["promotion.decision"] == decided == mv.tags["gate/decision"]
+    assert parent.data.tags["promotion.reason"] == result["registered"]["reason"]
+    note = parent.data.tags["mlflow.note.content"]
+    assert note.startswith(f"**tiny-e2e version {mv.version}: {decided}**")
+    assert mv.description.startswith(note) and "- against its own SFT reference: " in note
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as pc:
+        arts = pc.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["promotion"]))
+        )
+    assert note in [a.data for a in arts]
     assert (
         "eval/synthetic/accuracy" in mv.tags
         and mv.tags["promotion"] == result["registered"]["reason"]
@@ -225,7 +241,23 @@ def test_the_gate_on_real_registry_state(store):
         assert c.get_model_version_by_alias("gate-test", "champion").version == first["version"]
     v = c.get_model_version("gate-test", worse["version"])
     assert v.tags["gate/decision"] == "not promoted" and v.tags["gate/vs_champion/diff"]
-    assert "Promotion gate:" in v.description
+    # the description leads with the decision and both comparisons, each with its interval
+    # and its bar, even when (as here) the reference check passed and the champion's decided
+    m = cfg.tracking.promotion_margin
+    assert v.description.startswith(f"**gate-test version {worse['version']}: not promoted** "
+                                     "(@challenger). eval/synthetic/accuracy: within noise of "
+                                     f"or worse than champion v{first['version']}")  # fmt: skip
+    assert (
+        "- against its own SFT reference: +0.150 [+0.120, +0.180] (lower bound must be > 0: "
+        "met)" in v.description
+    )
+    assert (
+        f"- against champion v{first['version']}: -0.050 [-0.080, -0.020] (lower bound must "
+        f"be > {m:g}: not met)" in v.description
+    )
+    assert v.description.endswith("not met)\n\ntest")  # then the rest of the description
+    first_text = c.get_model_version("gate-test", first_flat["version"]).description
+    assert "(lower bound must be > 0: not met)" in first_text and "there was none" in first_text
     assert c.get_model_version_by_alias("gate-test", "challenger").version == nan["version"]
     better = reg(5, good_ref, {"diff": 0.06, "ci_low": 0.03, "ci_high": 0.09, "n": 1000.0})
     assert better["champion"]
