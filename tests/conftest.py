@@ -3,6 +3,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import pytest
+
 from grpo.launch.environment import quiet_environment
 
 # before torch is imported anywhere (grpo.launch.environment says why)
@@ -52,3 +54,16 @@ def pytest_collection_modifyitems(session, config, items) -> None:  # noqa: ANN0
         return SLOW_FIRST.index(stem) if stem in SLOW_FIRST else len(SLOW_FIRST)
 
     items.sort(key=rank)  # stable: a module's tests stay together and in their order
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_variables_left() -> object:
+    """A trainer built in the test process sets RANK, MASTER_PORT, ... in its environment (as a
+    launcher would); removed after each test, or every process a later test starts would join
+    a process group on a port that nobody serves any more. (The next in-process trainer sets
+    them again.)"""
+    yield
+    from grpo.launch.runner import DIST_VARS
+
+    for k in DIST_VARS:
+        os.environ.pop(k, None)

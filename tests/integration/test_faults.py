@@ -155,8 +155,13 @@ def test_a_single_rank_leaves_no_rendezvous_file_behind(tmp_path):
 
     code = ("import os, tempfile; from grpo.engine.distributed import init_distributed; "
             "init_distributed(60); print(os.listdir(tempfile.gettempdir()))")  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TMPDIR": str(tmp_path)},
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    from grpo.launch.runner import DIST_VARS
+
+    # a process started as one rank, as run_launches starts it: without the process group
+    # variables that in-process trainers of this test worker left in its environment
+    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS} | {"TMPDIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert "grpo-dist-" in out.stdout  # there while it ran
     assert not list(tmp_path.glob("grpo-dist-*"))  # gone after
