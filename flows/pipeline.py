@@ -44,6 +44,10 @@ def grpo_pipeline(params: PipelineParams = PipelineParams()) -> Any:  # noqa: B0
     c = tracking.client(cfg)
     exp = c.get_experiment_by_name(cfg.tracking.experiment)
     exp_id = exp.experiment_id if exp else c.create_experiment(cfg.tracking.experiment)
+    if exp is None or tracking.EXPERIMENT_KIND[0] not in exp.tags:
+        # MLflow 3 opens an experiment of no declared kind in its GenAI view (traces, empty
+        # panels); this kind opens the runs list, where pipelines are compared
+        c.set_experiment_tag(exp_id, *tracking.EXPERIMENT_KIND)
     if closed := tracking.close_orphaned_runs(c, exp_id):
         print(
             f"ended KILLED {len(closed)} MLflow run(s) left RUNNING by a pipeline on this host "

@@ -339,6 +339,9 @@ def end_status(e: BaseException) -> str:
     return "KILLED" if isinstance(e, (KeyboardInterrupt, TerminationSignal)) else "FAILED"
 
 
+# the experiment tag by which MLflow's UI picks its view: model training (the runs list)
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+
 # tags on a pipeline's parent run that say which process owns it while it is RUNNING
 OWNER_TAGS = ("pipeline.host", "pipeline.pid", "pipeline.pid_started")
 

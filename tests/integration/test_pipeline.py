@@ -85,6 +85,9 @@ def test_end_to_end_logs_registers_and_loads(store):
             acc = parent.data.metrics[f"{label}/eval/{s}/accuracy"]
             assert f"{acc:.3f}" in lines[s], (s, label)
     assert parent.info.status == "FINISHED"
+    # the experiment opens in MLflow's runs list, not its GenAI view
+    exp_tags = c.get_experiment(parent.info.experiment_id).tags
+    assert exp_tags["mlflow.experimentKind"] == "custom_model_development"
     # what a SIGKILLed pipeline left RUNNING was ended by this one; a live owner's run was not
     assert [c.get_run(r).info.status for r in orphans] == ["KILLED", "KILLED", "RUNNING"]
     c.delete_run(orphans[2])  # the other tests of the store see pipelines' runs only
