@@ -124,9 +124,14 @@ def _log_reference_once(c: Any, run_id: str, ref: Path) -> None:
     """Upload the reference model only the first time its digest is seen in the experiment;
     later runs tag a link to that run (a real model's base is gigabytes, every night)."""
     from grpo.launch.paths import file_digest
+    from grpo.launch.runner import MANIFEST
 
     files = sorted(p for p in ref.iterdir() if p.is_file())
-    digest = hashlib.sha256("".join(f"{p.name}:{file_digest(p)}" for p in files).encode())
+    # the cache hit just checked every file against its manifest: its hashes, not a second read
+    known = json.loads((ref / MANIFEST).read_text()) if (ref / MANIFEST).is_file() else {}
+    digest = hashlib.sha256("".join(
+        f"{p.name}:{known[p.name]['sha256'] if p.name in known else file_digest(p)}" for p in files
+    ).encode())  # fmt: skip
     key = digest.hexdigest()[:16]
     exp_id = c.get_run(run_id).info.experiment_id
     found = c.search_runs(
