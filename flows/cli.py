@@ -75,17 +75,18 @@ def cmd_evaluate(a: argparse.Namespace) -> None:
         model = str(download_model(model, cfg))
     sets = a.sets.split(",") if a.sets else cfg.eval.sets
     _preflight(cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"sets": sets})}),
-               model_dirs=(model, a.baseline), train=False)  # fmt: skip
+               model_dirs=(model, a.baseline), train=False, base=a.base)  # fmt: skip
     out = a.out or str(default_report_dir(cfg, model))
     samples = a.samples or cfg.eval.samples
-    report = evaluate_model(cfg, model, sets, out, samples=samples, limit=a.limit)
+    report = evaluate_model(cfg, model, sets, out, samples=samples, limit=a.limit, base=a.base)
     print(markdown_table(report))
     print(f"report: {out}/report.json  samples: {out}/samples.jsonl")
     if a.baseline:
         from grpo.eval.metrics import format_paired, paired_difference
 
         base_out = f"{out}_baseline"
-        evaluate_model(cfg, a.baseline, sets, base_out, samples=samples, limit=a.limit)
+        evaluate_model(cfg, a.baseline, sets, base_out, samples=samples, limit=a.limit,
+                       base=a.base)  # fmt: skip
         mine = [json.loads(x) for x in Path(out, "samples.jsonl").open()]
         theirs = [json.loads(x) for x in Path(base_out, "samples.jsonl").open()]
         print(f"\n{model} - {a.baseline} (same problems and samples, paired 95% CI):")
@@ -170,7 +171,10 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--overwrite", action="store_true",
                    help="delete the run already in --out and start again")  # fmt: skip
     e = add("evaluate", cmd_evaluate, "evaluate a model on held-out sets")
-    e.add_argument("--model", required=True, help="model directory or models:/NAME@ALIAS")
+    e.add_argument("--model", required=True,
+                   help="model directory, LoRA adapter or models:/NAME@ALIAS")  # fmt: skip
+    e.add_argument("--base", help="the base model of a LoRA adapter directory (default: the "
+                   "one its adapter_config.json names)")  # fmt: skip
     e.add_argument("--sets", help="comma-separated: synthetic,synthetic_ood,gsm8k,math500,PATH")
     e.add_argument("--samples", type=int)
     e.add_argument("--limit", type=int)

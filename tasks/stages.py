@@ -159,6 +159,7 @@ def train_policy(
     import pandas as pd
     from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
+    from grpo.engine.deepspeed_setup import ADAPTER_DIR
     from grpo.launch.runner import run_grpo
     from grpo.models.prompts import SYSTEM_PROMPT
     from tasks.serving import log_policy
@@ -194,6 +195,10 @@ def train_policy(
             "system_prompt": cfg.model.system_prompt or SYSTEM_PROMPT,
             "max_new_tokens": cfg.eval.max_new_tokens or cfg.grpo.max_completion_length,
         })  # fmt: skip
+        if (out / ADAPTER_DIR).is_dir():  # LoRA: the model above is merged; keep the adapter
+            c.log_artifacts(run_id, str(out / ADAPTER_DIR), ADAPTER_DIR)
+        for k, v in summary.get("parameters", {}).items():
+            c.log_param(run_id, f"parameters.{k}", v)
         # "auto" in the config; the tag says which engine actually sampled
         c.set_tag(run_id, "generation_engine", summary.get("generation_engine", "unknown"))
         if threads:

@@ -23,6 +23,7 @@ from grpo.config.sections import (
     DataConfig,
     DeepSpeedConfig,
     EvalConfig,
+    LoRAConfig,
     ModelConfig,
     SFTConfig,
     TinyModelConfig,
@@ -39,6 +40,7 @@ __all__ = [
     "DeepSpeedConfig",
     "EvalConfig",
     "GRPOConfig",
+    "LoRAConfig",
     "ModelConfig",
     "SFTConfig",
     "TinyModelConfig",
@@ -97,6 +99,13 @@ class Config(Strict):
         if not self.sft.enabled and not (self.model.path or self.model.gguf):
             raise ValueError(
                 "sft.enabled=false needs model.path or model.gguf (a reference to start from)"
+            )
+        if self.model.lora.enabled and self.deepspeed.zero_stage == 3:
+            raise ValueError(
+                "model.lora with deepspeed.zero_stage 3 is refused: ZeRO-3 shards the frozen "
+                "base weights that every LoRA forward needs whole (and the fast sampler merges "
+                "adapters into them); LoRA's trainable and optimizer state is small, so use "
+                "zero_stage 0 or 2"
             )
         if self.model.path and self.model.gguf:
             raise ValueError("model.path and model.gguf both name the model; give one")

@@ -23,6 +23,43 @@ class TinyModelConfig(Strict):
     max_position_embeddings: int = Field(256, gt=0)
 
 
+# every linear of a Llama/Qwen2-family block: attention (q, k, v, o) and MLP (gate, up, down)
+LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class LoRAConfig(Strict):
+    """LoRA adapters (peft) on the GRPO policy; the SFT reference stays the full base model."""
+
+    enabled: bool = Field(False, description="train LoRA adapters instead of every weight")
+    r: int = Field(16, gt=0, le=4096, description="rank of each adapter")
+    alpha: float = Field(32.0, gt=0, description="scale alpha / r on the adapter's output")
+    dropout: float = Field(
+        0.0, ge=0, lt=1,
+        description="dropout on the adapters' input in the update (never while sampling): "
+        "above 0 the update's pi_theta is noisier than the sampler's",
+    )  # fmt: skip
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(LLAMA_TARGETS),
+        min_length=1,
+        description="module names that get adapters (default: every linear of a Llama/Qwen2 block)",
+    )
+    train_embeddings: bool = Field(
+        False, description="also train the token embeddings and LM head in full (tied stay tied)"
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, v: list[str]) -> list[str]:
+        if "embed_tokens" in v or "lm_head" in v:
+            raise ValueError(
+                "embed_tokens and lm_head take no adapters here: set train_embeddings=true to "
+                "train them in full"
+            )
+        if len(set(v)) != len(v) or any(not t.strip() for t in v):
+            raise ValueError(f"expected distinct, non-empty module names, got {v}")
+        return v
+
+
 class ModelConfig(Strict):
     path: str | None = Field(
         None, description="local Hugging Face model directory; None builds the tiny model"
@@ -41,6 +78,7 @@ class ModelConfig(Strict):
         description="rollouts and evaluation: grpo.models.sampler (fast, Qwen2/Llama family), "
         "transformers generate (hf), or fast for a supported architecture on the CPU (auto)",
     )
+    lora: LoRAConfig = LoRAConfig()
 
     @field_validator("dtype")
     @classmethod

@@ -28,6 +28,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
 
 
+def has_frozen(module: torch.nn.Module) -> bool:
+    """Whether some weights are frozen (a LoRA policy's base): a checkpoint then holds only the
+    trainable ones, and a resume takes the frozen ones from the model directory it starts from,
+    as the first run did (a 135M base is 540 MB a checkpoint; its adapters are a few MB)."""
+    return any(not p.requires_grad for p in module.parameters())
+
+
 def latest_tag(root: Path) -> str | None:
     p = root / "latest"
     if not p.exists():
@@ -45,7 +52,8 @@ def save(engine: Any, root: Path, step: int, client: dict[str, Any], rank: int, 
         shutil.rmtree(root / tmp)
     dist.barrier()
     try:
-        engine.save_checkpoint(str(root), tag=tmp, client_state=client, save_latest=False)
+        engine.save_checkpoint(str(root), tag=tmp, client_state=client, save_latest=False,
+                               exclude_frozen_parameters=has_frozen(engine.module))  # fmt: skip
     except (OSError, RuntimeError) as e:  # torch's zip writer reports a short write as Runtime
         shutil.rmtree(root / tmp, ignore_errors=True)
         raise CheckpointWriteError(write_failure(root, step, e)) from e
@@ -91,8 +99,9 @@ def load(engine: Any, root: Path) -> dict[str, Any] | None:
     if tag is None:
         return None
     path, client = engine.load_checkpoint(
-        str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
-    )
+        str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True,
+        load_module_strict=not has_frozen(engine.module),
+    )  # fmt: skip
     if path is None:
         raise RuntimeError(f"{root / tag}: checkpoint could not be loaded")
     # DeepSpeed returns its own bookkeeping too; hand back only what we stored

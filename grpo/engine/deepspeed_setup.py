@@ -17,6 +17,7 @@ from grpo.config import Config
 
 # shipped inside the package (package data), so that an installed copy finds it too
 TEMPLATE = "deepspeed.json"
+ADAPTER_DIR = "adapter"  # a LoRA run's adapter, beside its merged policy directory
 
 
 def deepspeed_config(
@@ -95,11 +96,17 @@ def build_frozen(model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
 
 
 def save_policy(engine: Any, tokenizer: Any, out: Path, rank: int, zero_stage: int) -> None:
-    """Write the engine's model as a Hugging Face directory from rank 0 (ZeRO-3: gathered)."""
+    """Write the engine's model as a Hugging Face directory from rank 0 (ZeRO-3: gathered).
+
+    A LoRA policy is written merged to `out` (it then serves and evaluates like any model),
+    and its adapter alone to `adapter` beside it."""
     from grpo.models.loading import save_model_dir
+    from grpo.models.lora import is_lora, save_merged_and_adapter
 
     with gathered(engine.module, zero_stage):
-        if rank == 0:
+        if rank == 0 and is_lora(engine.module):
+            save_merged_and_adapter(engine.module, tokenizer, out, out.parent / ADAPTER_DIR)
+        elif rank == 0:
             save_model_dir(engine.module, tokenizer, out)
 
 

@@ -32,6 +32,7 @@ from grpo.engine.schedules import lr_lambda
 from grpo.engine.scoring import RewardScorer, token_advantages
 from grpo.engine.update import UpdatePlan, update_policy
 from grpo.eval.run import generate_for_rows
+from grpo.models import lora
 from grpo.models.generate import Rollout, resolve_engine
 from grpo.models.loading import device_for, eos_token_ids, load_model, load_tokenizer
 from grpo.progress import progress_bar
@@ -56,6 +57,9 @@ class Trainer:
         micro = min(g.micro_batch_size, local_batch)
         n_micro = math.ceil(local_batch / micro)
         model = load_model(policy_dir, cfg.model.dtype).to(self.device)
+        if cfg.model.lora.enabled:  # after the seed: every rank draws the same adapters
+            model = lora.wrap(model, cfg.model.lora)
+        self.params = lora.parameter_counts(model)
         self.eos_ids = eos_token_ids(self.tok, model)
         self.engine, ds_config = build_engine(
             model, cfg, micro_batch=micro, grad_accum=n_micro, lr=g.lr,
@@ -65,7 +69,11 @@ class Trainer:
         self.plan = UpdatePlan(micro=micro, n_micro=n_micro, world=self.world,
                                zero_stage=cfg.deepspeed.zero_stage, device=self.device)  # fmt: skip
         # beta = 0: no KL term, and the reference is never loaded
-        self.reference = Reference(cfg, policy_dir, self.device) if g.uses_reference else None
+        self.reference = None
+        if g.uses_reference and cfg.model.lora.enabled:
+            self.reference = Reference.of_lora_policy(self.engine.module, cfg)
+        elif g.uses_reference:
+            self.reference = Reference(cfg, policy_dir, self.device)
         self.scorer = RewardScorer(cfg)
         self.train_rows = training_sets(cfg)["train"]
         self.eval_rows: list[dict] = []
@@ -110,7 +118,7 @@ class Trainer:
         engine = resolve_engine(self.engine.module, self.cfg.model.generation_engine)
         return {
             "final": last, "seconds": time.time() - t_start, "start_step": start,
-            "generation_engine": engine,
+            "generation_engine": engine, "parameters": self.params,
         }  # fmt: skip
 
     def step(self, step: int) -> dict[str, float]:

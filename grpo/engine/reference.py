@@ -9,22 +9,43 @@ import torch
 from grpo.algo.logprobs import token_logprobs
 from grpo.config import Config
 from grpo.engine.deepspeed_setup import build_frozen
+from grpo.models import lora
 from grpo.models.forward import completion_logits
 from grpo.models.generate import Rollout
 from grpo.models.loading import load_model
 
 
 class Reference:
-    """pi_ref: the starting policy, frozen (a ZeRO-3 inference engine when sharding)."""
+    """pi_ref: the starting policy, frozen (a ZeRO-3 inference engine when sharding). For a
+    LoRA policy it is the policy itself with its adapters switched off (`of_lora_policy`):
+    the frozen base is the starting policy, and no second copy of it is loaded."""
 
     def __init__(self, cfg: Config, policy_dir: str | Path, device: torch.device) -> None:
         model = load_model(policy_dir, cfg.model.dtype, trainable=False).to(device)
         self.model = build_frozen(model, cfg)
         self.temperature = cfg.grpo.temperature
+        self.adapters_off = False
+
+    @classmethod
+    def of_lora_policy(cls, policy: torch.nn.Module, cfg: Config) -> Reference:
+        ref = cls.__new__(cls)
+        ref.model, ref.temperature, ref.adapters_off = policy, cfg.grpo.temperature, True
+        return ref
 
     @torch.no_grad()
     def logps(self, ro: Rollout, micro: int) -> torch.Tensor:
         """log pi_ref of every completion token [N, C], in micro-batches of `micro` rows."""
+        if not self.adapters_off:
+            return self._logps(ro, micro)
+        was_training = self.model.training
+        self.model.eval()  # no adapter dropout in pi_ref (the adapters are off anyway)
+        try:
+            with lora.adapters_off(self.model):
+                return self._logps(ro, micro)
+        finally:
+            self.model.train(was_training)
+
+    def _logps(self, ro: Rollout, micro: int) -> torch.Tensor:
         out = []
         for s in range(0, ro.completion_ids.shape[0], micro):
             sl = slice(s, s + micro)

@@ -99,13 +99,21 @@ def evaluate_model(
     samples: int = 1,
     limit: int | None = None,
     progress: bool = True,
+    base: str | None = None,
 ) -> dict[str, Any]:
-    """Evaluate a model directory on named sets; writes report.json, samples.jsonl, report.md."""
+    """Evaluate a model directory on named sets; writes report.json, samples.jsonl, report.md.
+
+    model_dir may be a LoRA adapter directory: it is merged into `base` (default: the base
+    its adapter config names)."""
+    from grpo.models import lora
     from grpo.models.loading import device_for, load_model, load_tokenizer
 
     device = device_for(cfg)
     tok = load_tokenizer(model_dir)
-    model = load_model(model_dir, cfg.model.dtype, trainable=False).to(device)
+    if lora.is_adapter_dir(model_dir):
+        model = lora.load_merged(model_dir, base, cfg.model.dtype).to(device)
+    else:
+        model = load_model(model_dir, cfg.model.dtype, trainable=False).to(device)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"model": str(model_dir), "sets": {}}

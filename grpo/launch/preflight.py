@@ -20,14 +20,27 @@ class PreflightError(UserError, ValueError):
     """Something a stage needs is missing or broken; the message names it."""
 
 
-def check_model_dir(path: str | Path) -> None:
+def check_model_dir(path: str | Path, base: str | Path | None = None) -> None:
     """A Hugging Face model directory: its config and tokenizer load, its weight files have a
-    readable safetensors header (a truncated file is named by its path)."""
+    readable safetensors header (a truncated file is named by its path). A LoRA adapter
+    directory: its weights, then its base (`base`, or the one its adapter config names)."""
+    from grpo.models import lora
     from grpo.models.loading import ModelDirError, load_tokenizer
 
     p = Path(path)
     if not p.is_dir():
         raise PreflightError(f"{p}: model directory not found")
+    if lora.is_adapter_dir(p):
+        try:
+            base = base or lora.adapter_base(p)
+        except lora.AdapterDirError as e:
+            raise PreflightError(str(e)) from e
+        if not base:
+            raise PreflightError(f"{p}: the adapter names no base model; pass its base (--base)")
+        for w in sorted(p.glob("*.safetensors")):
+            check_safetensors(w)
+        check_model_dir(base)
+        return
     if not (p / "config.json").is_file():
         raise PreflightError(f"{p}: no config.json: not a Hugging Face model directory")
     try:
@@ -152,7 +165,10 @@ def check_gguf(spec: str) -> None:
     check_readers(resolve_gguf(spec))
 
 
-def preflight(cfg: Config, *, model_dirs: list[str | Path] = (), train: bool = True) -> None:
+def preflight(
+    cfg: Config, *, model_dirs: list[str | Path] = (), train: bool = True,
+    base: str | Path | None = None,
+) -> None:  # fmt: skip
     """The checks of a command: model directories, reward functions, output, data, ranks."""
     check_writable(cfg.output_dir)
     if train:
@@ -162,7 +178,7 @@ def preflight(cfg: Config, *, model_dirs: list[str | Path] = (), train: bool = T
     if cfg.model.gguf:
         check_gguf(cfg.model.gguf)
     for d in model_dirs:
-        check_model_dir(d)
+        check_model_dir(d, base)  # base: of an adapter directory among them
     if train:
         check_rewards(cfg)
         check_memory(cfg)

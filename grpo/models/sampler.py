@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from grpo.models.lora import base_model, effective_bias, effective_weight
+
 SUPPORTED_TYPES = ("qwen2", "llama")
 
 # finished rows leave the batch once they are 1/COMPACT_EVERY of it: copying the KV cache
@@ -36,6 +38,7 @@ COMPACT_EVERY = 8
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why this sampler cannot run `model` exactly, or None when it can."""
+    model = base_model(model)  # a LoRA policy's layers are the base model's
     cfg = getattr(model, "config", None)
     mtype = getattr(cfg, "model_type", None)
     if mtype not in SUPPORTED_TYPES:
@@ -69,12 +72,13 @@ class _Layer:
     w_down: torch.Tensor
 
 
-def _cat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
-    if all(lin.bias is None for lin in linears):
+def _cat_bias(*linears: torch.nn.Module) -> torch.Tensor | None:
+    biases = [effective_bias(lin) for lin in linears]
+    if all(b is None for b in biases):
         return None
     return torch.cat(
-        [lin.bias if lin.bias is not None else lin.weight.new_zeros(lin.out_features)
-         for lin in linears]
+        [b if b is not None else w.new_zeros(w.shape[0])
+         for b, w in zip(biases, map(effective_weight, linears))]
     )  # fmt: skip
 
 
@@ -85,6 +89,9 @@ class Decoder:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"fast generation engine: {reason}")
+        # a LoRA policy decodes with W + scale * B @ A, merged here once per call
+        model = base_model(model)
+        w = effective_weight
         cfg, inner = model.config, model.model
         self.layers = []
         for layer in inner.layers:
@@ -92,24 +99,23 @@ class Decoder:
             self.layers.append(
                 _Layer(
                     ln_in=layer.input_layernorm.weight,
-                    w_qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                    w_qkv=torch.cat([w(a.q_proj), w(a.k_proj), w(a.v_proj)]),
                     b_qkv=_cat_bias(a.q_proj, a.k_proj, a.v_proj),
-                    w_o=a.o_proj.weight,
-                    b_o=a.o_proj.bias,
+                    w_o=w(a.o_proj),
+                    b_o=effective_bias(a.o_proj),
                     ln_post=layer.post_attention_layernorm.weight,
-                    w_gate_up=torch.cat([m.gate_proj.weight, m.up_proj.weight]),
-                    w_down=m.down_proj.weight,
+                    w_gate_up=torch.cat([w(m.gate_proj), w(m.up_proj)]),
+                    w_down=w(m.down_proj),
                 )
             )
-        a0 = inner.layers[0].self_attn
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
-        self.head_dim = a0.q_proj.out_features // self.n_heads
+        self.head_dim = w(inner.layers[0].self_attn.q_proj).shape[0] // self.n_heads
         self.eps = cfg.rms_norm_eps
-        self.embed = inner.embed_tokens.weight
+        self.embed = w(inner.embed_tokens)
         self.norm = inner.norm.weight
-        self.head = model.lm_head.weight
-        self.head_bias = getattr(model.lm_head, "bias", None)
+        self.head = w(model.lm_head)
+        self.head_bias = effective_bias(model.lm_head)
         self.rotary = inner.rotary_emb
         self.dtype = self.embed.dtype
         self.device = self.embed.device
