@@ -21,10 +21,13 @@ def _config(a: argparse.Namespace):  # noqa: ANN202
     return load_config(a.config, sets)
 
 
-def _preflight(cfg, *, model_dirs: tuple = (), train: bool = True, tracking: bool = False) -> None:  # noqa: ANN001
+def _preflight(
+    cfg, *, model_dirs: tuple = (), train: bool = True, tracking: bool = False,  # noqa: ANN001
+    base: str | None = None,
+) -> None:  # fmt: skip
     from grpo.launch.preflight import preflight
 
-    preflight(cfg, model_dirs=[d for d in model_dirs if d], train=train)
+    preflight(cfg, model_dirs=[d for d in model_dirs if d], train=train, base=base)
     if tracking:
         from tasks.tracking import check_reachable
 

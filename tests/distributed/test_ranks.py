@@ -14,13 +14,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 SCRIPT = Path(__file__).parent / "scripts" / "update_once.py"
 
 
-def _run(tmp: Path, name: str, nproc: int, stage: int) -> dict[str, torch.Tensor]:
+def _run(
+    tmp: Path, name: str, nproc: int, stage: int, *extra: str, weights: str = "policy/model"
+) -> dict[str, torch.Tensor]:
     # 8 completions = 2 prompts x 4: one prompt per rank with 2 ranks; micro-batch of 2
     # completions so that each rank accumulates 2 micro-batches
     cfg = small_config(
         tmp, "grpo.prompts_per_step=2", "grpo.num_generations=4", "grpo.micro_batch_size=2",
         "grpo.lr=0.01", "grpo.warmup_steps=0", f"deepspeed.zero_stage={stage}",
-        f"deepspeed.nproc={nproc}",
+        f"deepspeed.nproc={nproc}", *extra,
     )  # fmt: skip
     base = base_model_dir(cfg)
     cfg_path = write_config(cfg, tmp / name / "config.yaml")
@@ -30,7 +32,7 @@ def _run(tmp: Path, name: str, nproc: int, stage: int) -> dict[str, torch.Tensor
         # DeepSpeed's CPU all-reduce buffers (69 MB a rank in /dev/shm) are gone after the run
         port = plan[0].env["MASTER_PORT"]
         assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
-    return load_file(tmp / name / "policy" / "model.safetensors")
+    return load_file(tmp / name / f"{weights}.safetensors")
 
 
 def test_two_ranks_match_one_rank_for_zero2_and_zero3(tmp_path):
@@ -43,3 +45,18 @@ def test_two_ranks_match_one_rank_for_zero2_and_zero3(tmp_path):
         assert two.keys() == one.keys()
         for k in one:
             assert torch.allclose(one[k], two[k], atol=2e-5, rtol=1e-4), (stage, k)
+
+
+def test_lora_two_ranks_match_one_rank_for_zero0_and_zero2(tmp_path):
+    lora = ("model.lora.enabled=true", "model.lora.r=4", "model.lora.alpha=8")
+    adapter = "adapter/adapter_model"
+    one = _run(tmp_path, "one", 1, 0, *lora, weights=adapter)
+    assert max(float(one[k].abs().max()) for k in one if "lora_B" in k) > 1e-4  # B left 0
+    for stage in (0, 2):
+        two = _run(tmp_path, f"two-z{stage}", 2, stage, *lora, weights=adapter)
+        assert two.keys() == one.keys()
+        for k in one:
+            assert torch.allclose(one[k], two[k], atol=2e-5, rtol=1e-4), (stage, k)
+    # the merged policy of the 2-rank run is base + the same adapters
+    merged = load_file(tmp_path / "two-z2" / "policy" / "model.safetensors")
+    assert not any("lora_" in k for k in merged)

@@ -435,3 +435,57 @@ def test_a_failed_grpo_stage_stops_the_control_beside_it(store):
         if "grpo.launch.worker" in " ".join(p.cmdline())
     ]
     assert not workers
+
+
+def test_a_lora_grpo_stage_logs_a_merged_model_and_its_adapter(store):
+    """The GRPO stage with model.lora (its own Prefect flow, real ranks subprocess): the logged
+    model is the merged policy, which MLflow loads and predicts with; the adapter is logged
+    beside it; `grpo evaluate` takes the adapter directory, and refuses a wrong base by name."""
+    import mlflow
+    from mlflow import MlflowClient
+    from prefect import flow
+
+    from grpo.config import load_config
+    from grpo.launch.paths import base_model_dir
+    from tasks.serving import policy_dir_of
+    from tasks.stages import train_policy
+
+    tmp, uri = store
+    lora = ["model.lora.enabled=true", "model.lora.r=4", "model.lora.alpha=8"]
+    cfg = load_config(CONFIG, _overrides(tmp, "run_name=lora", "grpo.eval_every=0", *lora))
+    c = MlflowClient(uri, uri)
+    exp = c.get_experiment_by_name(cfg.tracking.experiment)
+    exp_id = exp.experiment_id if exp else c.create_experiment(cfg.tracking.experiment)
+    parent = c.create_run(exp_id, run_name="lora-parent").info.run_id
+    base = base_model_dir(cfg)
+
+    @flow
+    def grpo_stage_only() -> dict:
+        return train_policy(cfg, parent, str(base), tmp / "runs" / "lora")
+
+    out = grpo_stage_only()
+    run = c.get_run(out["run_id"])
+    trainable, total = (int(run.data.params[f"parameters.{k}"]) for k in ("trainable", "total"))
+    assert 0 < trainable < total / 5
+    logged = {f.path for f in c.list_artifacts(out["run_id"], "adapter")}
+    assert {"adapter/adapter_config.json", "adapter/adapter_model.safetensors"} <= logged
+    downloaded = Path(mlflow.artifacts.download_artifacts(out["model_uri"], tracking_uri=uri))
+    from safetensors.torch import load_file
+
+    merged = load_file(policy_dir_of(downloaded) / "model.safetensors")
+    assert merged and not any("lora_" in k for k in merged)
+    assert mlflow.pyfunc.load_model(out["model_uri"]).predict(["12+34="])[0]
+
+    adapter = tmp / "runs" / "lora" / "grpo" / "adapter"
+    sets = [a for s in _overrides(tmp, "run_name=lora") for a in ("--set", s)]
+    evaluate = [sys.executable, "-m", "flows.cli", "evaluate", "--model", str(adapter),
+                "--sets", "synthetic", "--limit", "8", *sets]  # fmt: skip
+    p = subprocess.run([*evaluate, "--out", str(tmp / "lora-eval")], capture_output=True,
+                       text=True, timeout=300)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    report = __import__("json").loads((tmp / "lora-eval" / "report.json").read_text())
+    assert report["sets"]["synthetic"]["num_problems"] == 8
+    p = subprocess.run([*evaluate, "--base", str(tmp / "nowhere")], capture_output=True,
+                       text=True, timeout=300)  # fmt: skip
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr[-2000:]
+    assert "nowhere: model directory not found" in p.stderr
