@@ -60,6 +60,10 @@ def cmd_train(a: argparse.Namespace) -> None:
     summary = run_grpo(cfg, policy, out, resume=a.resume)
     final = summary["final"]
     print(f"\nGRPO done in {summary['seconds']:.0f}s: {out / 'policy'}")
+    if cfg.model.lora.enabled:
+        n = summary.get("parameters", {})
+        print(f"  LoRA: {n.get('trainable', 0):,} of {n.get('total', 0):,} parameters trained; "
+              f"policy/ is merged, the adapter alone is in {out / 'adapter'}")  # fmt: skip
     keys = ("reward", "rewards/accuracy/mean", "kl", "completions/mean_length", "step_time")
     for k in keys:
         if k in final:

@@ -66,8 +66,10 @@ def rank_bytes(cfg: Config, dims: Dims, world: int) -> dict[str, int]:
     # ZeRO-2/3 split gradients and Adam's two moments over the ranks; weights stay whole
     split = world if cfg.deepspeed.zero_stage >= 2 else 1
     micro = min(g.micro_batch_size, completions)
+    lora = cfg.model.lora.enabled
     return {
-        "weights and optimizer": dims.params * (width + (4 + 8) // split),
+        # LoRA trains adapters only: their gradients and moments are small, left out here
+        "weights and optimizer": dims.params * (width + (0 if lora else (4 + 8) // split)),
         "sampler KV cache": 2 * dims.layers * dims.kv_heads * head * completions
         * g.max_completion_length * width,
         "logits": max(completions * dims.vocab, micro * g.max_completion_length * dims.vocab)

@@ -132,8 +132,9 @@ def test_lora_on_the_real_model_trains_adapters_and_samples_the_adapted_policy(s
                 p.add_(torch.randn(p.shape, generator=g) * 0.02)
     ids, mask = encode_prompts(t.tok, ["12+34=", "7+8="], cfg, torch.device("cpu"))
     torch.manual_seed(0)
+    pad = t.tok.pad_token_id
     ro = generate(model, ids, mask, num_generations=2, max_completion_length=16,
-                  eos_token_id=t.eos_ids, pad_token_id=t.tok.pad_token_id, engine="fast")  # fmt: skip
+                  eos_token_id=t.eos_ids, pad_token_id=pad, engine="fast")  # fmt: skip
 
     def forced() -> torch.Tensor:
         with torch.no_grad():

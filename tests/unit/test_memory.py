@@ -24,6 +24,9 @@ def test_the_small_test_model_by_hand(tmp_path):
     assert got2["weights and optimizer"] == 21760 * (4 + 12 // 2)
     assert got2["sampler KV cache"] == got["sampler KV cache"] // 2
     assert memory_error(cfg, 1) is None
+    # LoRA: the weights whole, the adapters' training state left out of the bound
+    lora = small_config(tmp_path, "model.lora.enabled=true")
+    assert rank_bytes(lora, dims, world=1)["weights and optimizer"] == 21760 * 4
 
 
 def test_a_count_with_zeros_too_many_is_refused_with_the_numbers(tmp_path):

