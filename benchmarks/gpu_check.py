@@ -54,6 +54,10 @@ def main() -> None:
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--lora", type=int, default=0, metavar="R",
+                   help="a LoRA policy of rank R (adapters moved off zero): the fast "
+                   "sampler merges them, generate runs them unmerged; the update trains "
+                   "them only")  # fmt: skip
     p.add_argument("--out", help="markdown file to write the table to")
     a = p.parse_args()
     cuda = torch.cuda.is_available() and not a.smoke
@@ -65,6 +69,15 @@ def main() -> None:
     torch.manual_seed(0)
     config = Qwen2Config(**shape, bos_token_id=None, eos_token_id=0, pad_token_id=1)
     model = Qwen2ForCausalLM(config).to(device=device, dtype=dtype)
+    if a.lora:
+        from grpo.config import LoRAConfig
+        from grpo.models import lora
+
+        model = lora.wrap(model, LoRAConfig(r=a.lora, alpha=2 * a.lora))
+        with torch.no_grad():  # B = 0 would sample the base model: move the adapters off it
+            for name, w in model.named_parameters():
+                if "lora_B" in name:
+                    w.normal_(0, 0.01)
     # random prompts, never the EOS / pad ids; EOS is rare in a random model: long completions
     prompts = torch.randint(2, shape["vocab_size"], (a.prompts, a.prompt_len), device=device)
     mask = torch.ones_like(prompts)
@@ -73,6 +86,10 @@ def main() -> None:
         "dtype": str(dtype).removeprefix("torch."),
         "shape": "smoke" if a.smoke else "Qwen2.5-0.5B",
         "params_M": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
+        "trainable_M": round(
+            sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6, 2
+        ),
+        "lora_r": a.lora or None,
         "rollout": f"{a.prompts} prompts x {a.group}, prompt {a.prompt_len}, new {a.new_tokens}",
         "engines": {},
     }
@@ -152,7 +169,12 @@ def _markdown(r: dict) -> str:
         "# GPU check (benchmarks/gpu_check.py)",
         "",
         f"{r['device']}, {r['dtype']}, {r['shape']} shape ({r['params_M']}M parameters, random "
-        f"weights), {r['rollout']}.",
+        f"weights), {r['rollout']}; "
+        + (
+            f"LoRA r={r['lora_r']} ({r['trainable'] / 1e6:.2f}M trainable)."
+            if r["lora_r"]
+            else "full fine-tuning."
+        ),
         "",
         "| engine | completion tokens/s | log-prob gap to a teacher-forced forward (mean / max) |",
         "|---|---|---|",

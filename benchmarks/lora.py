@@ -8,9 +8,11 @@ and, on the real model, held-out accuracy after the same wall time.
 the rank's resident memory every 0.2 s: SmolLM2-135M-Instruct (the real model, its config's
 batch of 8 x 8 completions up to 64 tokens) and a Qwen2.5-0.5B-shaped model (random weights,
 2 x 4 completions up to 32 tokens, as benchmarks/memory.py). Every completion is trained on
-(skip_zero_advantage off), the first step is left out of the medians. One more case samples the
-LoRA policy with transformers' generate (unmerged adapters) instead of the fast sampler, which
-merges W + scale * B @ A once per generate call.
+(skip_zero_advantage off), the first step is left out of the medians, and the learning rate
+is 1e-12, so that every case samples the same completions (a learning policy changes its
+lengths, and with them the cost of a step: a first try at lr 2e-5 was confounded by it).
+One more case samples the LoRA policy with transformers' generate (unmerged adapters) instead
+of the fast sampler, which merges W + scale * B @ A once per generate call.
 
 `accuracy` trains SmolLM2 with its config (40 steps, full fine-tuning), then LoRA (r = 16,
 alpha 32, lr 10x: the usual LoRA setting) for as many steps as fit the full run's wall time,
@@ -67,8 +69,10 @@ def cost(a: argparse.Namespace) -> None:
     from grpo.launch.paths import gguf_model_dir
 
     work = Path(tempfile.mkdtemp(prefix="grpo-lora-"))
+    # lr ~ 0: every case samples the same policy (LoRA's B starts at 0) and so the same
+    # completions; a learning policy changes its lengths, and with them the cost of a step
     common = [f"output_dir={work}", "device=cpu", f"grpo.steps={a.steps}", "grpo.eval_every=0",
-              "grpo.checkpoint_every=1000", "grpo.skip_zero_advantage=false",
+              "grpo.checkpoint_every=1000", "grpo.skip_zero_advantage=false", "grpo.lr=1e-12",
               "grpo.lr_schedule=constant", "grpo.warmup_steps=0"]  # fmt: skip
     models = [
         ("SmolLM2-135M-Instruct", gguf_model_dir(SMOLLM2, work / "base"),
@@ -84,6 +88,8 @@ def cost(a: argparse.Namespace) -> None:
         if name.startswith("SmolLM2"):
             cases.append(("LoRA r=16, hf generate", lora_sets(16) + ["model.generation_engine=hf"]))
         for case, extra in cases:
+            if a.only and f"{name}: {case}" not in a.only.split(";"):
+                continue
             cfg = load_config(config, [*common, *sets, *extra])
             out = work / f"{name[:6]}-{case}".replace(" ", "_").replace(",", "")
             m = one_case(cfg, model, out)
@@ -143,6 +149,7 @@ def main() -> None:
     p.add_argument("part", choices=["cost", "accuracy"])
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--eval", type=int, default=300)
+    p.add_argument("--only", help="cost: the cases to run, 'MODEL: CASE;...' as in the table")
     a = p.parse_args()
     cost(a) if a.part == "cost" else accuracy(a)
 

@@ -11,10 +11,12 @@ from tests.helpers import ROOT
 pytestmark = pytest.mark.slow
 
 
-def test_gpu_check_runs_on_the_cpu(tmp_path):
+@pytest.mark.parametrize("lora", [[], ["--lora", "4"]])
+def test_gpu_check_runs_on_the_cpu(tmp_path, lora):
     out = tmp_path / "gpu.md"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--smoke", "--out", str(out)],
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--smoke", "--out", str(out),
+         *lora],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -25,6 +27,10 @@ def test_gpu_check_runs_on_the_cpu(tmp_path):
         assert e["logp_gap_max"] < 1e-4  # fp32 on the CPU: both engines agree with the forward
     assert result["update"]["grad_norm"] > 0
     assert "| fast |" in out.read_text() and "| hf |" in out.read_text()
+    # LoRA: the fast sampler merged the adapters, which moved off zero (else the gap check
+    # would pass on the base model's weights)
+    assert (result["lora_r"] == 4) == bool(lora)
+    assert (result["trainable"] < result["params_M"] * 1e6 / 2) == bool(lora)
 
 
 def test_process_vs_outcome_runs_and_reports(tmp_path):

@@ -113,17 +113,30 @@ def test_model_directory_without_tokenizer_is_refused(tmp_path):
 
 
 def test_cli_evaluate_on_gsm8k(tmp_path):
+    import json
+
     # GSM8K in characters: up to 848 tokens, which a context of 1024 holds
     cfg = small_config(tmp_path, "model.tiny.max_position_embeddings=1024")
     model = base_model_dir(cfg)
+    other = base_model_dir(cfg.model_copy(update={"seed": 1}))  # another model to compare with
     out = subprocess.run(
         [sys.executable, "-m", "flows.cli", "evaluate", "--model", str(model), "--sets", "gsm8k",
-         "--limit", "50", "--out", str(tmp_path / "e"), "--baseline", str(model)],
+         "--limit", "50", "--out", str(tmp_path / "e"), "--baseline", str(other)],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert "| gsm8k | 50 |" in out.stdout and "left out" not in out.stderr
-    assert "gsm8k            +0.000 [+0.000, +0.000]" in out.stdout  # a model against itself
+    mine, theirs = (
+        [json.loads(x) for x in (tmp_path / d / "samples.jsonl").open()]
+        for d in ("e", "e_baseline")
+    )
+    # the baseline is the other model, on the same problems in the same order
+    assert json.loads((tmp_path / "e_baseline" / "report.json").read_text())["model"] == str(other)
+    assert [r["id"] for r in mine] == [r["id"] for r in theirs] and len(mine) == 50
+    assert sum(a["completion"] != b["completion"] for a, b in zip(mine, theirs)) > 25
+    # the paired line: neither untrained model solves a GSM8K problem, so 0 with no spread
+    diff = sum(a["correct"] for a in mine) - sum(b["correct"] for b in theirs)
+    assert diff == 0 and "gsm8k            +0.000 [+0.000, +0.000]" in out.stdout
 
 
 def test_prompts_longer_than_evaluation_holds_are_left_out_and_reported(tmp_path):
