@@ -86,9 +86,7 @@ def main() -> None:
         "dtype": str(dtype).removeprefix("torch."),
         "shape": "smoke" if a.smoke else "Qwen2.5-0.5B",
         "params_M": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
-        "trainable_M": round(
-            sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6, 2
-        ),
+        "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "lora_r": a.lora or None,
         "rollout": f"{a.prompts} prompts x {a.group}, prompt {a.prompt_len}, new {a.new_tokens}",
         "engines": {},

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -112,13 +113,28 @@ def test_model_directory_without_tokenizer_is_refused(tmp_path):
         load_tokenizer(tmp_path / "m")
 
 
+def _another_model(model: Path, out: Path) -> Path:
+    """The model with its weights moved: another model, with other greedy completions (an
+    untrained tiny model of another seed repeats the same token as this one)."""
+    import torch
+
+    from grpo.models.loading import load_model, load_tokenizer, save_model_dir
+
+    m = load_model(model, trainable=False)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.5)
+    return save_model_dir(m, load_tokenizer(model), out)
+
+
 def test_cli_evaluate_on_gsm8k(tmp_path):
     import json
 
     # GSM8K in characters: up to 848 tokens, which a context of 1024 holds
     cfg = small_config(tmp_path, "model.tiny.max_position_embeddings=1024")
     model = base_model_dir(cfg)
-    other = base_model_dir(cfg.model_copy(update={"seed": 1}))  # another model to compare with
+    other = _another_model(model, tmp_path / "other")
     out = subprocess.run(
         [sys.executable, "-m", "flows.cli", "evaluate", "--model", str(model), "--sets", "gsm8k",
          "--limit", "50", "--out", str(tmp_path / "e"), "--baseline", str(other)],
