@@ -18,6 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 INT = "tests/integration/"
+LORA = INT + "test_lora_training.py::"
 MUTANTS = [
     ("@champion set against the gate's decision", "tasks/registry.py",
      '    if promoted:\n        c.set_registered_model_alias(name, "champion"',
@@ -43,6 +44,18 @@ MUTANTS = [
      'keyed = cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"control": "auto"})})',
      "keyed = cfg",
      INT + "test_failures.py::test_two_pipelines_on_a_fresh_store_both_finish"),
+    ("the fast sampler ignores LoRA adapters", "grpo/models/lora.py",
+     "    if module.disable_adapters or module.merged:\n        return w",
+     "    if True:\n        return w",
+     "tests/unit/test_lora.py::test_sampling_the_adapted_policy_matches_its_teacher_forced_forward"),
+    ("a LoRA reference with its adapters on", "grpo/engine/reference.py",
+     "            with lora.adapters_off(self.model):\n"
+     "                return self._logps(ro, micro)",
+     "            return self._logps(ro, micro)",
+     LORA + "test_lora_update_moves_only_adapters_and_the_reference_stays_the_base"),
+    ("LoRA checkpoints hold the frozen base", "grpo/engine/checkpoint.py",
+     "    return any(not p.requires_grad for p in module.parameters())", "    return False",
+     LORA + "test_lora_run_resumes_bit_identically_and_saves_merged_model_and_adapter"),
 ]  # fmt: skip
 
 
