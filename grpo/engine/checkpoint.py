@@ -31,7 +31,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def has_frozen(module: torch.nn.Module) -> bool:
     """Whether some weights are frozen (a LoRA policy's base): a checkpoint then holds only the
     trainable ones, and a resume takes the frozen ones from the model directory it starts from,
-    as the first run did (a 135M base is 540 MB a checkpoint; its adapters are a few MB)."""
+    as the first run did (SmolLM2-135M's base is 540 MB; its r = 16 adapters are 20 MB)."""
     return any(not p.requires_grad for p in module.parameters())
 
 

@@ -73,7 +73,7 @@ class Trainer:
         if g.uses_reference and cfg.model.lora.enabled:
             self.reference = Reference.of_lora_policy(self.engine.module, cfg)
         elif g.uses_reference:
-            self.reference = Reference(cfg, policy_dir, self.device)
+            self.reference = Reference.load(cfg, policy_dir, self.device)
         self.scorer = RewardScorer(cfg)
         self.train_rows = training_sets(cfg)["train"]
         self.eval_rows: list[dict] = []

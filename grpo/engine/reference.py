@@ -20,17 +20,20 @@ class Reference:
     LoRA policy it is the policy itself with its adapters switched off (`of_lora_policy`):
     the frozen base is the starting policy, and no second copy of it is loaded."""
 
-    def __init__(self, cfg: Config, policy_dir: str | Path, device: torch.device) -> None:
+    def __init__(
+        self, model: torch.nn.Module, temperature: float, adapters_off: bool = False
+    ) -> None:
+        self.model, self.temperature, self.adapters_off = model, temperature, adapters_off
+
+    @classmethod
+    def load(cls, cfg: Config, policy_dir: str | Path, device: torch.device) -> Reference:
+        """The starting policy loaded from its directory, frozen."""
         model = load_model(policy_dir, cfg.model.dtype, trainable=False).to(device)
-        self.model = build_frozen(model, cfg)
-        self.temperature = cfg.grpo.temperature
-        self.adapters_off = False
+        return cls(build_frozen(model, cfg), cfg.grpo.temperature)
 
     @classmethod
     def of_lora_policy(cls, policy: torch.nn.Module, cfg: Config) -> Reference:
-        ref = cls.__new__(cls)
-        ref.model, ref.temperature, ref.adapters_off = policy, cfg.grpo.temperature, True
-        return ref
+        return cls(policy, cfg.grpo.temperature, adapters_off=True)
 
     @torch.no_grad()
     def logps(self, ro: Rollout, micro: int) -> torch.Tensor:
@@ -38,7 +41,7 @@ class Reference:
         if not self.adapters_off:
             return self._logps(ro, micro)
         was_training = self.model.training
-        self.model.eval()  # no adapter dropout in pi_ref (the adapters are off anyway)
+        self.model.eval()  # no dropout in pi_ref, as in a reference loaded frozen
         try:
             with lora.adapters_off(self.model):
                 return self._logps(ro, micro)

@@ -72,14 +72,14 @@ class _Layer:
     w_down: torch.Tensor
 
 
-def _cat_bias(*linears: torch.nn.Module) -> torch.Tensor | None:
+def _cat_bias(linears: list[torch.nn.Module], weights: list[torch.Tensor]) -> torch.Tensor | None:
+    """The biases of `linears` side by side (zeros for one without), or None when none has one;
+    `weights` are their (merged) weights, for the widths."""
     biases = [effective_bias(lin) for lin in linears]
     if all(b is None for b in biases):
         return None
-    return torch.cat(
-        [b if b is not None else w.new_zeros(w.shape[0])
-         for b, w in zip(biases, map(effective_weight, linears))]
-    )  # fmt: skip
+    return torch.cat([b if b is not None else w.new_zeros(w.shape[0])
+                      for b, w in zip(biases, weights)])  # fmt: skip
 
 
 class Decoder:
@@ -96,11 +96,13 @@ class Decoder:
         self.layers = []
         for layer in inner.layers:
             a, m = layer.self_attn, layer.mlp
+            qkv = [a.q_proj, a.k_proj, a.v_proj]
+            w_qkv = [w(lin) for lin in qkv]  # merged once each (LoRA: one B @ A per matrix)
             self.layers.append(
                 _Layer(
                     ln_in=layer.input_layernorm.weight,
-                    w_qkv=torch.cat([w(a.q_proj), w(a.k_proj), w(a.v_proj)]),
-                    b_qkv=_cat_bias(a.q_proj, a.k_proj, a.v_proj),
+                    w_qkv=torch.cat(w_qkv),
+                    b_qkv=_cat_bias(qkv, w_qkv),
                     w_o=w(a.o_proj),
                     b_o=effective_bias(a.o_proj),
                     ln_post=layer.post_attention_layernorm.weight,
@@ -110,7 +112,8 @@ class Decoder:
             )
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
-        self.head_dim = w(inner.layers[0].self_attn.q_proj).shape[0] // self.n_heads
+        # q, k, v rows: (n_heads + 2 n_kv) heads of head_dim
+        self.head_dim = self.layers[0].w_qkv.shape[0] // (self.n_heads + 2 * self.n_kv)
         self.eps = cfg.rms_norm_eps
         self.embed = w(inner.embed_tokens)
         self.norm = inner.norm.weight

@@ -11,20 +11,14 @@ from safetensors.torch import load_file
 
 from grpo.launch.paths import base_model_dir
 from tests.helpers import fixed_rollout, per_token, small_config
+from tests.unit.test_sampler import _teacher_forced
 
 pytestmark = pytest.mark.slow
 LORA = ["model.lora.enabled=true", "model.lora.r=2", "model.lora.alpha=4"]
 
 
 def _logps(model, ro):
-    from grpo.algo.logprobs import token_logprobs
-    from grpo.models.forward import completion_logits
-
-    with torch.no_grad():
-        logits = completion_logits(
-            model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask
-        )
-    return token_logprobs(logits, ro.completion_ids) * ro.completion_mask
+    return _teacher_forced(model, ro, 1.0)
 
 
 def test_lora_update_moves_only_adapters_and_the_reference_stays_the_base(tmp_path):
@@ -58,7 +52,7 @@ def test_lora_update_moves_only_adapters_and_the_reference_stays_the_base(tmp_pa
 def test_lora_run_resumes_bit_identically_and_saves_merged_model_and_adapter(tmp_path):
     from grpo.engine.loop import Trainer
     from grpo.models import lora
-    from grpo.models.loading import load_model
+    from grpo.models.loading import load_model, load_tokenizer
 
     # the untrained model is never right: the length penalty gives its groups unequal rewards
     cfg = small_config(tmp_path, *LORA, "grpo.steps=4", "grpo.checkpoint_every=2",
@@ -96,12 +90,6 @@ def test_lora_run_resumes_bit_identically_and_saves_merged_model_and_adapter(tmp
     merged = load_model(whole / "policy", trainable=False).eval()
     from_adapter = lora.load_merged(whole / "adapter", None).eval()
     plain = load_model(base, trainable=False).eval()
-    tok_ro = fixed_rollout(_tok(base), ["46", "4"])
+    tok_ro = fixed_rollout(load_tokenizer(base), ["46", "4"])
     torch.testing.assert_close(_logps(from_adapter, tok_ro), _logps(merged, tok_ro))
     assert not torch.allclose(_logps(plain, tok_ro), _logps(merged, tok_ro))
-
-
-def _tok(path):
-    from grpo.models.loading import load_tokenizer
-
-    return load_tokenizer(path)

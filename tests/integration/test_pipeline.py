@@ -441,6 +441,8 @@ def test_a_lora_grpo_stage_logs_a_merged_model_and_its_adapter(store):
     """The GRPO stage with model.lora (its own Prefect flow, real ranks subprocess): the logged
     model is the merged policy, which MLflow loads and predicts with; the adapter is logged
     beside it; `grpo evaluate` takes the adapter directory, and refuses a wrong base by name."""
+    import json
+
     import mlflow
     from mlflow import MlflowClient
     from prefect import flow
@@ -483,7 +485,7 @@ def test_a_lora_grpo_stage_logs_a_merged_model_and_its_adapter(store):
     p = subprocess.run([*evaluate, "--out", str(tmp / "lora-eval")], capture_output=True,
                        text=True, timeout=300)  # fmt: skip
     assert p.returncode == 0, p.stderr[-2000:]
-    report = __import__("json").loads((tmp / "lora-eval" / "report.json").read_text())
+    report = json.loads((tmp / "lora-eval" / "report.json").read_text())
     assert report["sets"]["synthetic"]["num_problems"] == 8
     p = subprocess.run([*evaluate, "--base", str(tmp / "nowhere")], capture_output=True,
                        text=True, timeout=300)  # fmt: skip

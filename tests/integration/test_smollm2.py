@@ -105,12 +105,11 @@ def test_lora_on_the_real_model_trains_adapters_and_samples_the_adapted_policy(s
     """LoRA r = 8 on SmolLM2: 2 GRPO steps with a KL term (the reference is the policy with its
     adapters off), then the fast sampler on adapters moved off zero agrees with a teacher-forced
     forward of the peft model, and the run wrote the merged model and the adapter."""
-    from grpo.algo.logprobs import token_logprobs
     from grpo.engine.loop import Trainer
     from grpo.models import lora
-    from grpo.models.forward import completion_logits
     from grpo.models.generate import generate
     from grpo.models.prompts import encode_prompts
+    from tests.unit.test_sampler import _teacher_forced
 
     cfg = _cfg(tmp_path, "model.lora.enabled=true", "model.lora.r=8", "model.lora.alpha=16",
                "grpo.beta=0.04")  # fmt: skip
@@ -136,13 +135,7 @@ def test_lora_on_the_real_model_trains_adapters_and_samples_the_adapted_policy(s
     ro = generate(model, ids, mask, num_generations=2, max_completion_length=16,
                   eos_token_id=t.eos_ids, pad_token_id=pad, engine="fast")  # fmt: skip
 
-    def forced() -> torch.Tensor:
-        with torch.no_grad():
-            logits = completion_logits(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
-                                       ro.completion_mask)  # fmt: skip
-        return token_logprobs(logits, ro.completion_ids) * ro.completion_mask
-
-    on = forced()
+    on = _teacher_forced(model, ro, 1.0)
     torch.testing.assert_close(ro.sampling_logps * ro.completion_mask, on, atol=2e-3, rtol=0)
     with lora.adapters_off(model):
-        assert (forced() - on).abs().max() > 1e-2
+        assert (_teacher_forced(model, ro, 1.0) - on).abs().max() > 1e-2
