@@ -137,8 +137,9 @@ def main() -> None:
         model, cfg, micro_batch=micro, grad_accum=-(-n // micro), lr=1e-6, weight_decay=0.0,
         max_grad_norm=1.0, lr_fn=lr_lambda(0, 1, "constant"),
     )  # fmt: skip
+    buckets, budget = cfg.forward_layout()
     plan = UpdatePlan(micro=micro, n_micro=-(-n // micro), world=world, zero_stage=0,
-                      device=device)  # fmt: skip
+                      device=device, bucket_tokens=buckets, logits_budget_mib=budget)  # fmt: skip
     adv = torch.randn(n, device=device).unsqueeze(1).expand(ro.completion_ids.shape)
     if cuda:
         torch.cuda.reset_peak_memory_stats()

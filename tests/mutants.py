@@ -33,7 +33,8 @@ MUTANTS = [
      "return any(w in key.lower().rsplit('.', 1)[-1] for w in SECRET_WORDS)",
      INT + "test_resume.py::test_secrets_never_become_mlflow_params"),
     ("a non-finite loss reaches backward", "grpo/engine/update.py",
-     "                loss = _zero_gradient_loss(engine, g, ro, mask, adv, ref_logps, num_items)\n"
+     "                loss = _zero_gradient_loss(engine, g, plan, ro, mask, adv, ref_logps, "
+     "num_items)\n"
      "            engine.backward",
      "            engine.backward",
      INT + "test_faults.py::test_non_finite_loss_is_skipped_or_stops_keeping_the_checkpoint"),
@@ -56,6 +57,14 @@ MUTANTS = [
     ("LoRA checkpoints hold the frozen base", "grpo/engine/checkpoint.py",
      "    return any(not p.requires_grad for p in module.parameters())", "    return False",
      LORA + "test_lora_run_resumes_bit_identically_and_saves_merged_model_and_adapter"),
+ ("the training forward reads each token's own position", "grpo/models/forward.py",
+     "    return packed, attn, rows, first[rows] + offsets",
+     "    return packed, attn, rows, first[rows] + offsets + 1",
+     "tests/unit/test_forward.py::test_buckets_and_chunked_head_match_one_padded_forward"),
+    ("the update's LM head runs on every position", "grpo/models/forward.py",
+     '    inner = model._modules.get("module") if isinstance(model, torch.nn.Module) else None',
+     "    inner = None",
+     INT + "test_trainer.py::test_one_grpo_update_raises_the_rewarded_completion"),
 ]  # fmt: skip
 
 

@@ -111,6 +111,15 @@ class Config(Strict):
             raise ValueError("model.path and model.gguf both name the model; give one")
         return self
 
+    def forward_layout(self) -> tuple[int, float]:
+        """(bucket_tokens, logits_budget_mib) of the update's and pi_ref's forward. Under
+        ZeRO-3 both are off: each module call gathers its sharded weights in a collective, so
+        every rank must make the same calls, and the number of buckets and head chunks
+        depends on each rank's own completion lengths."""
+        if self.deepspeed.zero_stage == 3:
+            return 0, 0.0
+        return self.grpo.bucket_tokens, self.grpo.logits_budget_mib
+
     @property
     def has_worked_solutions(self) -> bool:
         """Whether there is SFT data (the synthetic task's, or data.sft_path)."""

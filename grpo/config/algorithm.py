@@ -86,6 +86,20 @@ class GRPOConfig(Strict):
     micro_batch_size: int = Field(
         256, gt=0, description="completions per forward/backward (256: one per step on CPU)"
     )
+    bucket_tokens: int = Field(
+        2048,
+        ge=0,
+        description="the update's and pi_ref's forward runs rows sorted by length, in buckets "
+        "of at most this many padded tokens, so short rows do not pay the longest one's "
+        "padding; 0: one padded batch per micro-batch",
+    )
+    logits_budget_mib: float = Field(
+        256,
+        ge=0,
+        description="the largest float32 [tokens, vocabulary] logits block the update's LM head "
+        "makes at once: above it the head runs in chunks, checkpointed (recomputed in the "
+        "backward); 0: no limit, all logits kept for the backward",
+    )
     skip_zero_advantage: bool = Field(
         True,
         description="beta 0 + dapo: no forward/backward for completions with zero advantage "

@@ -66,8 +66,15 @@ class Trainer:
             weight_decay=g.weight_decay, max_grad_norm=g.max_grad_norm,
             lr_fn=lr_lambda(g.warmup_steps, g.steps * g.mu, g.lr_schedule),
         )  # fmt: skip
+        buckets, budget = cfg.forward_layout()
         self.plan = UpdatePlan(micro=micro, n_micro=n_micro, world=self.world,
-                               zero_stage=cfg.deepspeed.zero_stage, device=self.device)  # fmt: skip
+                               zero_stage=cfg.deepspeed.zero_stage, device=self.device,
+                               bucket_tokens=buckets, logits_budget_mib=budget)  # fmt: skip
+        if self.rank == 0 and (buckets, budget) != (g.bucket_tokens, g.logits_budget_mib):
+            print(
+                "ZeRO-3: grpo.bucket_tokens and grpo.logits_budget_mib are off (every rank "
+                "must make the same module calls); one padded forward per micro-batch"
+            )
         # beta = 0: no KL term, and the reference is never loaded
         self.reference = None
         if g.uses_reference and cfg.model.lora.enabled:

@@ -6,11 +6,10 @@ from pathlib import Path
 
 import torch
 
-from grpo.algo.logprobs import token_logprobs
 from grpo.config import Config
 from grpo.engine.deepspeed_setup import build_frozen
 from grpo.models import lora
-from grpo.models.forward import completion_logits
+from grpo.models.forward import completion_logprobs
 from grpo.models.generate import Rollout
 from grpo.models.loading import load_model
 
@@ -21,19 +20,21 @@ class Reference:
     the frozen base is the starting policy, and no second copy of it is loaded."""
 
     def __init__(
-        self, model: torch.nn.Module, temperature: float, adapters_off: bool = False
-    ) -> None:
+        self, model: torch.nn.Module, temperature: float, adapters_off: bool = False,
+        bucket_tokens: int = 0, logits_budget_mib: float = 0,
+    ) -> None:  # fmt: skip
         self.model, self.temperature, self.adapters_off = model, temperature, adapters_off
+        self.bucket_tokens, self.logits_budget_mib = bucket_tokens, logits_budget_mib
 
     @classmethod
     def load(cls, cfg: Config, policy_dir: str | Path, device: torch.device) -> Reference:
         """The starting policy loaded from its directory, frozen."""
         model = load_model(policy_dir, cfg.model.dtype, trainable=False).to(device)
-        return cls(build_frozen(model, cfg), cfg.grpo.temperature)
+        return cls(build_frozen(model, cfg), cfg.grpo.temperature, False, *cfg.forward_layout())
 
     @classmethod
     def of_lora_policy(cls, policy: torch.nn.Module, cfg: Config) -> Reference:
-        return cls(policy, cfg.grpo.temperature, adapters_off=True)
+        return cls(policy, cfg.grpo.temperature, True, *cfg.forward_layout())
 
     @torch.no_grad()
     def logps(self, ro: Rollout, micro: int) -> torch.Tensor:
@@ -52,9 +53,10 @@ class Reference:
         out = []
         for s in range(0, ro.completion_ids.shape[0], micro):
             sl = slice(s, s + micro)
-            logits = completion_logits(
-                self.model, ro.prompt_ids[sl], ro.prompt_mask[sl],
-                ro.completion_ids[sl], ro.completion_mask[sl],
+            logps, _ = completion_logprobs(
+                self.model, ro.prompt_ids[sl], ro.prompt_mask[sl], ro.completion_ids[sl],
+                ro.completion_mask[sl], self.temperature, bucket_tokens=self.bucket_tokens,
+                logits_budget_mib=self.logits_budget_mib,
             )  # fmt: skip
-            out.append(token_logprobs(logits, ro.completion_ids[sl], self.temperature))
+            out.append(logps)
         return torch.cat(out)

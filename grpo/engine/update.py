@@ -18,11 +18,10 @@ from typing import Any
 
 import torch
 
-from grpo.algo.logprobs import token_entropy, token_logprobs
 from grpo.algo.loss import LOSS_AGGREGATIONS, policy_loss
 from grpo.config import GRPOConfig
 from grpo.engine.distributed import all_reduce_dict
-from grpo.models.forward import completion_logits
+from grpo.models.forward import completion_logprobs
 from grpo.models.generate import Rollout
 
 # per-token metrics of policy_loss (plus entropy), token-weighted over the trained rows; "kl"
@@ -37,13 +36,17 @@ POLICY_METRICS = (
 @dataclass(frozen=True)
 class UpdatePlan:
     """How a rank's rollout splits for the update: n_micro micro-batches of at most micro
-    rows each, on `world` ranks under ZeRO stage zero_stage."""
+    rows each, on `world` ranks under ZeRO stage zero_stage; each micro-batch's forward in
+    length buckets of bucket_tokens, its LM head within logits_budget_mib (Config.forward_layout).
+    """
 
     micro: int
     n_micro: int
     world: int
     zero_stage: int
     device: torch.device
+    bucket_tokens: int = 0
+    logits_budget_mib: float = 0.0
 
 
 @dataclass
@@ -146,13 +149,14 @@ def update_policy(
             idx = rows[j * plan.micro : (j + 1) * plan.micro]
             weight = micro_weight(g, plan, idx.numel(), mask.shape[0])
             if idx.numel():
-                loss, m = _micro_loss(engine, g, ro, mask, adv, ref_logps, idx, num_items,
+                loss, m = _micro_loss(engine, g, plan, ro, mask, adv, ref_logps, idx, num_items,
                                       state, first_pass=pass_ == 0)  # fmt: skip
             else:
-                loss, m = _zero_gradient_loss(engine, g, ro, mask, adv, ref_logps, num_items), {}
+                loss = _zero_gradient_loss(engine, g, plan, ro, mask, adv, ref_logps, num_items)
+                m = {}
             if not torch.isfinite(loss):
                 sums["nonfinite_losses"] += 1
-                loss = _zero_gradient_loss(engine, g, ro, mask, adv, ref_logps, num_items)
+                loss = _zero_gradient_loss(engine, g, plan, ro, mask, adv, ref_logps, num_items)
             engine.backward(loss * weight)
             if j == plan.n_micro - 1 and plan.zero_stage == 0:
                 grad_norms.append(_local_grad_norm(engine))
@@ -187,15 +191,15 @@ def update_policy(
 
 
 def _zero_gradient_loss(
-    engine: Any, g: GRPOConfig, ro: Rollout, mask: torch.Tensor, adv: torch.Tensor,
-    ref_logps: torch.Tensor | None, num_items: float,
+    engine: Any, g: GRPOConfig, plan: UpdatePlan, ro: Rollout, mask: torch.Tensor,
+    adv: torch.Tensor, ref_logps: torch.Tensor | None, num_items: float,
 ) -> torch.Tensor:  # fmt: skip
     """A loss with an exactly zero gradient that still runs the model: one row, advantage 0,
     weight 0. Every rank then makes the same backward calls with gradient hooks firing in
     the same order (ZeRO-2 packs gradients into its reduce buckets in hook order)."""
     one_row = torch.tensor([0])
     zeros = torch.zeros_like(adv)
-    loss, _ = _micro_loss(engine, g, ro, mask, zeros, ref_logps, one_row, num_items, None)
+    loss, _ = _micro_loss(engine, g, plan, ro, mask, zeros, ref_logps, one_row, num_items, None)
     if torch.isfinite(loss):
         return loss * 0.0
     # the model's own output is not finite: a zero gradient without a forward pass
@@ -203,8 +207,8 @@ def _zero_gradient_loss(
 
 
 def _micro_loss(
-    engine: Any, g: GRPOConfig, ro: Rollout, loss_mask: torch.Tensor, adv: torch.Tensor,
-    ref_logps: torch.Tensor | None, idx: torch.Tensor, num_items: float,
+    engine: Any, g: GRPOConfig, plan: UpdatePlan, ro: Rollout, loss_mask: torch.Tensor,
+    adv: torch.Tensor, ref_logps: torch.Tensor | None, idx: torch.Tensor, num_items: float,
     state: _PassState | None, first_pass: bool = False,
 ) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
     """Loss and metrics of the rows idx, with columns that are padding in all of them cut.
@@ -212,16 +216,14 @@ def _micro_loss(
     The completion mask is the attention mask; loss_mask (the completion mask, without
     truncated completions when those are masked) selects the tokens of the loss. state None:
     a zero-gradient stand-in, which records nothing and uses pi_theta as pi_old."""
-    attn = ro.completion_mask[idx]
-    pmask = ro.prompt_mask[idx]
-    # causal attention: trailing completion padding never affects earlier positions, and
-    # positions count real tokens, so leading prompt padding can go too
-    c = int(attn.sum(1).max())
-    p0 = int((pmask.sum(0) > 0).long().argmax())
-    attn, pmask, cids = attn[:, :c], pmask[:, p0:], ro.completion_ids[idx, :c]
+    # trailing completion padding of all rows is cut; the forward itself reads real tokens only
+    c = int(ro.completion_mask[idx].sum(1).max())
     mask = loss_mask[idx, :c]
-    logits = completion_logits(engine, ro.prompt_ids[idx, p0:], pmask, cids, attn)
-    logps = token_logprobs(logits, cids, g.temperature)  # [mb, c]
+    logps, entropy = completion_logprobs(
+        engine, ro.prompt_ids[idx], ro.prompt_mask[idx], ro.completion_ids[idx, :c],
+        ro.completion_mask[idx, :c], g.temperature, entropy=True,
+        bucket_tokens=plan.bucket_tokens, logits_budget_mib=plan.logits_budget_mib,
+    )  # fmt: skip
     if state is not None and first_pass:
         state.gap.add(logps.detach(), ro.sampling_logps[idx, :c], mask)
         if g.old_logprobs == "recompute" and g.mu > 1:
@@ -229,23 +231,18 @@ def _micro_loss(
     # mu = 1: pi_old is the current policy exactly (rho = 1, the gradient is the PG)
     old = state.old[idx, :c] if g.mu > 1 and state is not None else logps.detach()
     # the entropy bonus needs the entropy's gradient; otherwise it is a metric only
-    entropy = token_entropy(logits, g.temperature) if g.uses_entropy_bonus else None
+    bonus = entropy if g.uses_entropy_bonus else None
     loss, m = policy_loss(
         logps, old, adv[idx, :c], mask,
         ref_logps=None if ref_logps is None else ref_logps[idx, :c], beta=g.beta,
-        entropy=entropy, entropy_coef=g.entropy_coef,
+        entropy=bonus, entropy_coef=g.entropy_coef,
         loss_type=g.loss_type, objective=g.policy_objective, params=g.objective_params(),
         importance_level=g.importance_level, max_completion_length=g.max_completion_length,
         num_items=num_items if LOSS_AGGREGATIONS[g.loss_type].global_normaliser else None,
     )  # fmt: skip
     with torch.no_grad():
-        ent = (
-            entropy.detach()
-            if entropy is not None
-            else token_entropy(logits.detach(), g.temperature)
-        )
         m["_w"] = float(mask.sum())
-        m["entropy"] = float((ent * mask).sum()) / max(m["_w"], 1.0)
+        m["entropy"] = float((entropy.detach() * mask).sum()) / max(m["_w"], 1.0)
     return loss, m
 
 

@@ -7,6 +7,7 @@ import torch
 
 from grpo.engine.update import metric_keys, trained_rows
 from grpo.launch.paths import base_model_dir
+from grpo.models.forward import causal_lm
 from grpo.models.generate import Rollout
 from tests.helpers import fixed_rollout, per_token, small_config
 
@@ -36,7 +37,15 @@ def test_one_grpo_update_raises_the_rewarded_completion(tmp_path):
     ro = fixed_rollout(t.tok, ["<think>4+2=6</think><answer>46</answer>", "<answer>99</answer>"])
     before = [p.detach().clone() for p in t.engine.module.parameters()]
     lp_good, lp_bad = _seq_logp(t, ro, 0), _seq_logp(t, ro, 1)
+    # through the DeepSpeed engine, the LM head runs on the completion tokens only: the
+    # model's own call of it gets none (the fast path, not the every-position fallback)
+    head_rows: list[int] = []
+    hook = causal_lm(t.engine).lm_head.register_forward_hook(
+        lambda _m, args, _out: head_rows.append(args[0].reshape(-1, args[0].shape[-1]).shape[0])
+    )
     m = t.update(ro, per_token(torch.tensor([1.0, -1.0]), ro), None)
+    hook.remove()
+    assert head_rows == [0, int(ro.completion_mask.sum())]
     after = list(t.engine.module.parameters())
     assert any(not torch.equal(a, b) for a, b in zip(before, after))
     assert _seq_logp(t, ro, 0) > lp_good
