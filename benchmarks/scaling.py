@@ -1,5 +1,7 @@
 """How our GRPO step time grows with G, completion length, beta > 0 and a second CPU rank,
-and what the fast sampler and the skipped zero-advantage completions save.
+and what the fast sampler, the skipped zero-advantage completions and the update's length
+buckets save (the chunked LM head only matters at a real vocabulary:
+benchmarks/update_forward.py measures it on SmolLM2).
 
     .venv/bin/python benchmarks/scaling.py [--steps 8]
 
@@ -31,7 +33,15 @@ CASES = [
     ("G=16", ["grpo.num_generations=16"]),
     ("long completions (random model, length 48)", ["LONG"]),
     ("long completions (random model, length 96)", ["LONG", "grpo.max_completion_length=96"]),
+    ("32 prompts, training on every completion", ["grpo.prompts_per_step=32", "ALL"]),
+    (
+        "32 prompts, every completion, length buckets off (grpo.bucket_tokens=0)",
+        ["grpo.prompts_per_step=32", "ALL", "grpo.bucket_tokens=0"],
+    ),
 ]
+# "ALL": trained on every completion, so that the update's work does not depend on how many
+# groups happened to be informative
+ALL = "grpo.skip_zero_advantage=false"
 
 
 def main() -> None:
@@ -53,7 +63,7 @@ def main() -> None:
     ]
     for i, (name, sets) in enumerate(CASES):
         model = rnd if "LONG" in sets else ref
-        sets = [x for x in sets if x != "LONG"]
+        sets = [ALL if x == "ALL" else x for x in sets if x != "LONG"]
         cfg = load_config(ROOT / "configs" / "tiny.yaml", [
             f"output_dir={a.out}", f"grpo.steps={a.steps}", "grpo.prompts_per_step=4",
             "grpo.eval_every=0", "grpo.checkpoint_every=1000", *sets,

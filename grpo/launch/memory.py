@@ -67,13 +67,16 @@ def rank_bytes(cfg: Config, dims: Dims, world: int) -> dict[str, int]:
     split = world if cfg.deepspeed.zero_stage >= 2 else 1
     micro = min(g.micro_batch_size, completions)
     lora = cfg.model.lora.enabled
+    update_logits = micro * g.max_completion_length * dims.vocab * 4
+    _, budget_mib = cfg.forward_layout()
+    if budget_mib > 0:  # the LM head runs in chunks of at most this many bytes of logits
+        update_logits = min(update_logits, int(budget_mib * 2**20))
     return {
         # LoRA trains adapters only: their gradients and moments are small, left out here
         "weights and optimizer": dims.params * (width + (0 if lora else (4 + 8) // split)),
         "sampler KV cache": 2 * dims.layers * dims.kv_heads * head * completions
         * g.max_completion_length * width,
-        "logits": max(completions * dims.vocab, micro * g.max_completion_length * dims.vocab)
-        * 4,
+        "logits": max(completions * dims.vocab * 4, update_logits),
     }  # fmt: skip
 
 

@@ -27,6 +27,13 @@ def test_the_small_test_model_by_hand(tmp_path):
     # LoRA: the weights whole, the adapters' training state left out of the bound
     lora = small_config(tmp_path, "model.lora.enabled=true")
     assert rank_bytes(lora, dims, world=1)["weights and optimizer"] == 21760 * 4
+    # the update's LM head in chunks of at most the logits budget (0.01 MiB = 10485 bytes
+    # < 8 x 24 x 104 x 4 = 79872); the sampler's 8 x 104 x 4 are smaller still
+    capped = small_config(tmp_path, "grpo.logits_budget_mib=0.01")
+    assert rank_bytes(capped, dims, world=1)["logits"] == 10485
+    # ZeRO-3 turns the chunks off: the whole micro-batch's logits again
+    zero3 = small_config(tmp_path, "grpo.logits_budget_mib=0.01", "deepspeed.zero_stage=3")
+    assert rank_bytes(zero3, dims, world=1)["logits"] == 8 * 24 * 104 * 4
 
 
 def test_a_count_with_zeros_too_many_is_refused_with_the_numbers(tmp_path):
