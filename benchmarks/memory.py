@@ -24,6 +24,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from grpo.launch.environment import quiet_environment  # noqa: E402
+
+# the CLI's environment before torch loads: kernels pinned as `grpo` pins them, so that an
+# SFT reference built here is the one `make run` would build under the same cache key
+quiet_environment()
+
 CASES = [("1 rank, ZeRO-0", 1, 0), ("2 ranks, ZeRO-2", 2, 2), ("2 ranks, ZeRO-3", 2, 3)]
 
 

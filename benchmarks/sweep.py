@@ -12,6 +12,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from grpo.launch.environment import quiet_environment  # noqa: E402
+
+# the CLI's environment before torch loads: kernels pinned as `grpo` pins them, so that an
+# SFT reference built here is the one `make run` would build under the same cache key
+quiet_environment()
+
 from grpo.config import load_config  # noqa: E402
 from grpo.eval.metrics import paired_difference  # noqa: E402
 from grpo.eval.run import evaluate_model  # noqa: E402

@@ -23,6 +23,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from grpo.launch.environment import quiet_environment  # noqa: E402
+
+# the CLI's environment before torch loads: kernels pinned as `grpo` pins them, so that an
+# SFT reference built here is the one `make run` would build under the same cache key
+quiet_environment()
+
 
 def _recorder():  # noqa: ANN202
     import torch
