@@ -100,16 +100,24 @@ def main() -> None:
     from grpo.engine.loop import Trainer
     from grpo.engine.sampling import keep_groups, sample_step
     from grpo.engine.scoring import token_advantages
-    from grpo.launch.paths import base_model_dir
+    from grpo.launch.paths import base_model_dir, gguf_model_dir
 
     p = argparse.ArgumentParser()
-    p.add_argument("--model", help="model directory (default: the untrained tiny model)")
+    p.add_argument(
+        "--model",
+        help="model directory (default: the untrained tiny model, or the config's GGUF model)",
+    )
+    p.add_argument("--config", help="YAML config (default: the embedded default run)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "UTILIZATION.md"))
     a = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="grpo-util-"))
-    cfg = load_config(None, [f"output_dir={tmp}", "grpo.eval_every=0"])
-    t = Trainer(cfg, a.model or base_model_dir(cfg), tmp / "grpo")
+    cfg = load_config(a.config, [f"output_dir={tmp}", "grpo.eval_every=0"])
+    model = a.model or (
+        gguf_model_dir(cfg.model.gguf, ROOT / "runs" / "base") if cfg.model.gguf
+        else base_model_dir(cfg)
+    )  # fmt: skip
+    t = Trainer(cfg, model, tmp / "grpo")
     # train on every completion, so that the update's cost does not depend on how many
     # groups happened to be informative
     t.cfg = cfg.model_copy(
@@ -144,10 +152,15 @@ def main() -> None:
     shapes["update"] = rec.shapes
     rows = [_phase(n, shapes[n], timings[n]) for n in ("sampling", "update")]
     threads = torch.get_num_threads()
+    g = cfg.grpo
     lines = [
         "# Distance from the CPU's matmul limit (benchmarks/utilization.py)",
         "",
-        f"Default settings (32 prompts x 8, max 48 tokens, the tiny Qwen2), fp32, {threads} "
+        f"Command: `python benchmarks/utilization.py --repeats {a.repeats}"
+        + (f" --config {a.config}" if a.config else "")
+        + "`. "
+        f"{cfg.run_name} settings ({g.prompts_per_step} prompts x {g.num_generations}, max "
+        f"{g.max_completion_length} tokens, {Path(str(model)).name}), fp32, {threads} "
         f"threads, median of {a.repeats} steps; about {statistics.median(tokens)} completion "
         "tokens per step. Every completion trained on (no zero-advantage skipping), so the "
         "update's work is fixed. `matmul GFLOP/s` is torch.matmul alone at the same shapes and "
