@@ -39,10 +39,7 @@ SETTINGS = [
     ("chunked head off", ["grpo.logits_budget_mib=0"]),
     ("both off", ["grpo.bucket_tokens=0", "grpo.logits_budget_mib=0"]),
 ]
-MODELS = {
-    "tiny": (None, []),
-    "smollm2": ("configs/smollm2-135m.yaml", []),
-}
+MODELS = {"tiny": None, "smollm2": "configs/smollm2-135m.yaml"}  # model -> its config
 
 
 def child(model: str, sets: list[str], repeats: int) -> dict:
@@ -55,7 +52,7 @@ def child(model: str, sets: list[str], repeats: int) -> dict:
     from grpo.launch.paths import gguf_model_dir
     from grpo.launch.runner import run_sft
 
-    config, _ = MODELS[model]
+    config = MODELS[model]
     tmp = Path(tempfile.mkdtemp(prefix="grpo-upd-"))
     cfg = load_config(ROOT / config if config else None, [
         f"output_dir={tmp}", "grpo.eval_every=0", "grpo.skip_zero_advantage=false", *sets,

@@ -60,12 +60,12 @@ def length_buckets(lengths: torch.Tensor, max_tokens: int) -> list[torch.Tensor]
 def relayout(
     prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     completion_ids: torch.Tensor, completion_mask: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Rows [prompt, completion] with every real token first and the padding last.
 
     Returns ids [B, L] and attention mask [B, L] (L the longest row's real length), and for
-    every real completion token, in row-major order, its row and the position whose output
-    predicts it (its own position - 1): two [T] tensors."""
+    every real completion token, in row-major order, its row, its column in completion_ids and
+    the position whose output predicts it (its own position - 1): three [T] tensors."""
     ids = torch.cat([prompt_ids, completion_ids], 1)  # [B, P+C]
     real = torch.cat([prompt_mask, completion_mask], 1).bool()
     lengths = real.sum(1)
@@ -75,13 +75,9 @@ def relayout(
     packed = ids.gather(1, order)
     attn = (torch.arange(width, device=ids.device) < lengths.unsqueeze(1)).long()
     packed = packed * attn  # padding ids are 0, whatever the source held
-    c_len = completion_mask.sum(1)
-    rows = torch.repeat_interleave(torch.arange(ids.shape[0], device=ids.device), c_len)
-    # the j-th completion token of row i sits at p_i + j and is predicted at p_i + j - 1
-    first = prompt_mask.sum(1) - 1  # [B]
-    offsets = torch.arange(int(c_len.sum()), device=ids.device)
-    offsets = offsets - torch.repeat_interleave(c_len.cumsum(0) - c_len, c_len)
-    return packed, attn, rows, first[rows] + offsets
+    rows, cols = completion_mask.bool().nonzero(as_tuple=True)  # row-major
+    # completion token j of row i sits at p_i + j and is predicted at p_i + j - 1
+    return packed, attn, rows, cols, prompt_mask.sum(1)[rows] + cols - 1
 
 
 @contextlib.contextmanager
@@ -176,7 +172,7 @@ def completion_logprobs(
     for rows in length_buckets(lengths, bucket_tokens):
         if not int(completion_mask[rows].sum()):
             continue
-        ids, attn, tok_rows, pred = relayout(
+        ids, attn, tok_rows, tok_cols, pred = relayout(
             prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows]
         )
         targets = completion_ids[rows][completion_mask[rows].bool()]  # [T], row-major
@@ -193,7 +189,7 @@ def completion_logprobs(
             lp = token_logprobs(picked, targets.unsqueeze(0), temperature)[0]
             ent = token_entropy(picked, temperature)[0] if entropy else torch.zeros_like(lp)
         rows_out.append(rows[tok_rows])
-        cols_out.append(_columns(completion_mask[rows]))
+        cols_out.append(tok_cols)
         logps.append(lp)
         ents.append(ent)
     out = completion_ids.new_zeros((n, c), dtype=torch.float32)
@@ -203,12 +199,6 @@ def completion_logprobs(
         out = out.index_put(where, torch.cat(logps))
         out_ent = out_ent.index_put(where, torch.cat(ents))
     return out, out_ent
-
-
-def _columns(completion_mask: torch.Tensor) -> torch.Tensor:
-    """Each real completion token's column, in row-major order [T]."""
-    cols = torch.arange(completion_mask.shape[1], device=completion_mask.device)
-    return cols.expand_as(completion_mask)[completion_mask.bool()]
 
 
 def completion_logits(

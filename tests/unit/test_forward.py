@@ -49,11 +49,12 @@ def test_relayout_puts_real_tokens_first_and_finds_each_completion_token():
     pmask = (pids != 0).long()
     cids = torch.tensor([[9, 10, 0], [11, 0, 0]])
     cmask = (cids != 0).long()
-    ids, attn, rows, pred = relayout(pids, pmask, cids, cmask)
+    ids, attn, rows, cols, pred = relayout(pids, pmask, cids, cmask)
     assert ids.tolist() == [[7, 8, 9, 10, 0], [5, 6, 7, 8, 11]]
     assert attn.tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
     # tokens 9 and 10 of row 0 sit at 2 and 3: predicted at 1 and 2; token 11 of row 1 at 4
     assert rows.tolist() == [0, 0, 1]
+    assert cols.tolist() == [0, 1, 0]
     assert pred.tolist() == [1, 2, 3]
 
 
