@@ -43,7 +43,26 @@ def init_distributed(timeout_s: int) -> tuple[int, int]:
             timeout=timedelta(seconds=timeout_s), init_method=init_method, rank=0 if init_method
             else -1, world_size=1 if init_method else -1,
         )  # fmt: skip
+        if init_method:
+            # no peer to wait for: safe at any exit, failed or not (registered after the
+            # rmtree above, so it runs before it)
+            atexit.register(finish_distributed)
     return dist.get_rank(), dist.get_world_size()
+
+
+def finish_distributed() -> None:
+    """Wait for every rank, then destroy the process group: call it once a rank's work has
+    succeeded. A process that exits with the group alive can abort in the interpreter's
+    teardown ("terminate called without an active exception", SIGABRT: gloo's worker threads
+    still hold tensors), which failed a 2-rank SFT stage that had finished its work. Not on a
+    failure: a peer blocked in a collective would keep this rank in the barrier until timeout."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    if dist.get_world_size() > 1:
+        dist.barrier()  # no rank tears its end down while a peer still talks to it
+    dist.destroy_process_group()
 
 
 def all_reduce_sum(values: list[float], device: torch.device, op: str = "sum") -> list[float]:

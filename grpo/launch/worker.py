@@ -24,6 +24,9 @@ def main(argv: list[str] | None = None) -> None:
         if not _write_error(e) or os.environ.get("GRPO_DEBUG"):
             raise
         sys.exit(1)
+    from grpo.engine.distributed import finish_distributed
+
+    finish_distributed()  # only after success: see its docstring
 
 
 def _write_error(e: BaseException) -> bool:
