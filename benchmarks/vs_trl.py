@@ -44,8 +44,11 @@ SETTINGS = {
     "loss_type": "dapo",
 }
 # "ours-all" trains on every completion as TRL does (grpo.skip_zero_advantage=false): it
-# separates the faster sampler from the skipped zero-advantage completions
+# separates the faster sampler from the skipped zero-advantage completions. "trl-defaults" is
+# TRL as a user gets it: its own GRPOConfig defaults for bf16 (CPU autocast) and gradient
+# checkpointing, both on, where "trl" turns them off to match our fp32 step
 TRAINERS = ("ours", "ours-all", "trl")
+ALL_TRAINERS = (*TRAINERS, "trl-defaults")
 WARMUP = 3  # steps left out of the medians (first-step allocations, lazy imports)
 
 
@@ -71,7 +74,9 @@ def run_ours(model: str, steps: int, out: str, beta: float, train_all: bool = Fa
         f"grpo.skip_zero_advantage={not train_all}",
     ])  # fmt: skip
     t = Trainer(cfg, model, Path(out) / "ours")
+    start = time.perf_counter()
     t.train(progress=False)
+    wall = time.perf_counter() - start
     rows = [json.loads(x) for x in (Path(out) / "ours" / "metrics.jsonl").open()][WARMUP:]
     return {
         "step_time": [r["step_time"] for r in rows],
@@ -83,6 +88,7 @@ def run_ours(model: str, steps: int, out: str, beta: float, train_all: bool = Fa
         "reward": [r["reward"] for r in rows],
         "mean_length": statistics.mean(r["completions/mean_length"] for r in rows),
         "plain_generate_ratio": _plain_generate_ratio(t),
+        "wall": wall,
     }
 
 
@@ -117,7 +123,7 @@ def _plain_generate_ratio(trainer) -> list[float]:
     return ratios
 
 
-def run_trl(model: str, steps: int, out: str, beta: float) -> dict:
+def run_trl(model: str, steps: int, out: str, beta: float, defaults: bool = False) -> dict:
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -141,9 +147,11 @@ def run_trl(model: str, steps: int, out: str, beta: float) -> dict:
             if logs and "reward" in logs:
                 rewards.append(logs["reward"])
 
+    # matched to our step (fp32, no recomputation) unless TRL's own defaults are asked for
+    matched = {} if defaults else {"bf16": False, "gradient_checkpointing": False}
     args = GRPOConfig(
-        output_dir=str(Path(out) / "trl"), use_cpu=True, bf16=False,
-        gradient_checkpointing=False, per_device_train_batch_size=_batch(),
+        output_dir=str(Path(out) / "trl"), use_cpu=True, **matched,
+        per_device_train_batch_size=_batch(),
         num_generations=s["num_generations"], max_completion_length=s["max_completion_length"],
         temperature=s["temperature"], beta=beta, learning_rate=s["lr"],
         loss_type=s["loss_type"], max_steps=steps, logging_steps=1, report_to=[],
@@ -156,6 +164,7 @@ def run_trl(model: str, steps: int, out: str, beta: float) -> dict:
     )  # fmt: skip
     start = time.perf_counter()
     trainer.train()
+    wall = time.perf_counter() - start
     times = [b - a for a, b in zip([start, *marks[:-1]], marks)][WARMUP:]
     hist = [h for h in trainer.state.log_history if "completions/mean_length" in h][WARMUP:]
     lengths = [h["completions/mean_length"] for h in hist]
@@ -164,6 +173,9 @@ def run_trl(model: str, steps: int, out: str, beta: float) -> dict:
         "tokens": [n * _batch() for n in lengths],
         "reward": rewards[WARMUP:],
         "mean_length": statistics.mean(lengths) if lengths else float("nan"),
+        "wall": wall,
+        "bf16": bool(args.bf16),
+        "gradient_checkpointing": bool(args.gradient_checkpointing),
     }
 
 
@@ -171,8 +183,8 @@ def child(which: str, model: str, steps: int, out: str, beta: float) -> None:
     import torch
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
-    if which == "trl":
-        res = run_trl(model, steps, out, beta)
+    if which.startswith("trl"):
+        res = run_trl(model, steps, out, beta, defaults=which == "trl-defaults")
     else:
         res = run_ours(model, steps, out, beta, train_all=which == "ours-all")
     res["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -214,7 +226,14 @@ def main() -> None:
     p.add_argument("--reference", help="SFT reference dir for the 'short' regime")
     p.add_argument("--prompts", type=int, help="prompts per step (default 4; 32 = the default run)")
     p.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
+    p.add_argument("--trainers", default=",".join(TRAINERS),
+                   help=f"comma-separated, from {', '.join(ALL_TRAINERS)}")  # fmt: skip
     a = p.parse_args()
+    a.trainers = a.trainers.split(",")
+    unknown = [t for t in a.trainers if t not in ALL_TRAINERS]
+    if unknown or "trl" not in a.trainers:
+        p.error(f"--trainers: {unknown or 'trl is missing'}: expected trl and any of "
+                f"{', '.join(ALL_TRAINERS)}")  # fmt: skip
     if a.prompts:
         os.environ["BENCH_PROMPTS"] = str(a.prompts)  # the child processes read it at import
         SETTINGS["prompts_per_step"] = a.prompts
@@ -232,7 +251,7 @@ def main() -> None:
     results: dict[tuple[str, str], list[dict]] = {}
     for regime, model in (("short", short_model), ("long", long_model)):
         for r in range(a.repeats):
-            for which in TRAINERS:  # A B C A B C
+            for which in a.trainers:  # A B C A B C
                 res = _measure(which, model, a.steps, Path(a.out) / f"{regime}-{which}-{r}", a.beta)
                 results.setdefault((regime, which), []).append(res)
                 print(regime, which, r, _fmt(res["step_time"], 3), flush=True)
@@ -248,6 +267,7 @@ def _report(results: dict, a: argparse.Namespace) -> list[str]:
         "",
         f"Command: `python benchmarks/vs_trl.py --steps {a.steps} --repeats {a.repeats}"
         + (f" --prompts {a.prompts} --results {Path(a.results).name}" if a.prompts else "")
+        + (f" --trainers {','.join(a.trainers)}" if a.trainers != list(TRAINERS) else "")
         + "`",
         "",
         f"Settings (both): G={s['num_generations']}, {s['prompts_per_step']} prompts/step "
@@ -257,16 +277,21 @@ def _report(results: dict, a: argparse.Namespace) -> list[str]:
         "reward = reward_fns.accuracy. Medians over all measured steps of all repeats "
         "(min-max in brackets); each run a fresh process, alternated. `ours` skips the "
         "forward/backward of completions whose advantage is zero (exact with beta 0 + dapo); "
-        "`ours-all` trains on every completion, as TRL does.",
+        "`ours-all` trains on every completion, as TRL does. `trl-defaults` leaves bf16 and "
+        "gradient checkpointing at TRL's own defaults (both on) where `trl` turns them off. "
+        "'whole run' is every step, warm-up included, over the time of the whole `train()` call.",
         "",
         "| regime | trainer | mean completion length | step time s | completions/s "
-        "| completion tokens/s | peak RSS MiB | final reward (median of last 10) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| completion tokens/s | whole run completions/s | peak RSS MiB "
+        "| final reward (median of last 10) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     ratio_rows = []
+    others = [t for t in a.trainers if not t.startswith("trl")]
+    trls = [t for t in a.trainers if t.startswith("trl")]
     for regime in ("short", "long"):
         meds = {}
-        for which in TRAINERS:
+        for which in a.trainers:
             runs = results[(regime, which)]
             st = [x for r in runs for x in r["step_time"]]
             cps = [_batch() / x for x in st]
@@ -274,25 +299,29 @@ def _report(results: dict, a: argparse.Namespace) -> list[str]:
             rss = [r["peak_rss_mib"] for r in runs]
             rew = [statistics.median(r["reward"][-10:]) for r in runs if r["reward"]]
             length = statistics.mean(r["mean_length"] for r in runs)
-            meds[which] = (statistics.median(cps), statistics.median(rss))
+            whole = [a.steps * _batch() / r["wall"] for r in runs]
+            meds[which] = (statistics.median(cps), statistics.median(rss),
+                           statistics.median(whole))  # fmt: skip
             lines.append(
                 f"| {regime} | {which} | {length:.1f} | {_fmt(st, 3)} | {_fmt(cps)} | "
-                f"{_fmt(tps, 0)} | {_fmt(rss, 0)} | {statistics.median(rew):.3f} |"
+                f"{_fmt(tps, 0)} | {_fmt(whole)} | {_fmt(rss, 0)} | {statistics.median(rew):.3f} |"
             )
-        ratio_rows.append(
-            f"| {regime} | {meds['ours'][0] / meds['trl'][0]:.2f}x | "
-            f"{meds['ours-all'][0] / meds['trl'][0]:.2f}x | "
-            f"{meds['ours'][1] / meds['trl'][1]:.2f}x |"
-        )
+        for o in others:
+            for t in trls:
+                ratio_rows.append(
+                    f"| {regime} | {o}/{t} | {meds[o][0] / meds[t][0]:.2f}x | "
+                    f"{meds[o][2] / meds[t][2]:.2f}x | {meds[o][1] / meds[t][1]:.2f}x |"
+                )
     lines += [
         "",
-        "| regime | completions/s ours/TRL | completions/s ours-all/TRL | peak RSS ours/TRL |",
-        "|---|---|---|---|",
+        "| regime | trainers | completions/s (measured steps) | completions/s (whole run) "
+        "| peak RSS |",
+        "|---|---|---|---|---|",
     ]
     lines += ratio_rows
     split = []
     for regime in ("short", "long"):
-        for which in ("ours", "ours-all"):
+        for which in others:
             runs = results[(regime, which)]
             g = [x for r in runs for x in r["generation"]]
             tr = [x for r in runs for x in r["training"]]
