@@ -92,7 +92,7 @@ def main() -> None:
         curve = [json.loads(x) for x in (out / name / "metrics.jsonl").open()]
         res = {"name": name, "overrides": rest, "seconds": round(secs, 1),
                "step_time": statistics.median(r["step_time"] for r in curve if "step_time" in r),
-               "curve": [(r["step"], r.get("eval/heldout_accuracy"), r.get("reward"))
+               "curve": [(r["step"], r.get("eval/inrun_subset_accuracy"), r.get("reward"))
                          for r in curve],
                "step_stats": _step_stats(out / name)}  # fmt: skip
         res.update(_compare(mine, ref, baseline))

@@ -151,7 +151,7 @@ def main() -> None:
     metrics = [json.loads(x) for x in (run_dir / "grpo" / "metrics.jsonl").open()]
     _curves(metrics, ROOT / "benchmarks" / "real_model_curves.png")
     step_times = [r["step_time"] for r in metrics]
-    control = run_dir / "sft_control" / "control_summary.json"
+    control = run_dir / "sft_continued" / "control_summary.json"
     lines += [
         "",
         "## Training",

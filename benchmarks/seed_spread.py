@@ -22,7 +22,7 @@ COLUMNS = {
     "grpo": "grpo/eval/{s}/accuracy",
     "sft_continued": "sft_continued/eval/{s}/accuracy",
     "grpo - ref": "grpo/eval/{s}/diff_vs_reference",
-    "grpo - sft_continued": "grpo/eval/{s}/diff_vs_control",
+    "grpo - sft_continued": "grpo/eval/{s}/diff_vs_sft_continued",
 }
 
 

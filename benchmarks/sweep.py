@@ -61,8 +61,8 @@ def main() -> None:
             crep = evaluate_model(cfg, str(ctl), ["synthetic"], str(ctl) + "_eval", progress=False)
             res["control_synthetic"] = round(crep["sets"]["synthetic"]["accuracy"], 4)
         curve = [json.loads(x) for x in (out / f"v{i}" / "metrics.jsonl").open()]
-        res["curve"] = [(r["step"], round(r["eval/heldout_accuracy"], 3)) for r in curve
-                        if "eval/heldout_accuracy" in r]  # fmt: skip
+        res["curve"] = [(r["step"], round(r["eval/inrun_subset_accuracy"], 3)) for r in curve
+                        if "eval/inrun_subset_accuracy" in r]  # fmt: skip
         print(json.dumps(res), flush=True)
         with (out / "sweep_results.jsonl").open("a") as f:
             f.write(json.dumps(res) + "\n")

@@ -64,7 +64,8 @@ def grpo_pipeline(params: PipelineParams = PipelineParams()) -> Any:  # noqa: B0
             tags={"mlflow.source.git.commit": tracking.git_commit(), "mlflow.source.type": "JOB",
                   "mlflow.source.name": "flows/pipeline.py:grpo_pipeline",
                   "config_digest": cfg.digest(), "data_hash": cfg.digest("data"),
-                  "pipeline_version": tracking.package_version(), **tracking.machine_tags(),
+                  "pipeline_version": tracking.package_version(), "run_kind": "pipeline",
+                  **tracking.machine_tags(),
                   **tracking.owner_tags()},
         )  # fmt: skip
         pid = parent.info.run_id
@@ -123,7 +124,7 @@ def _train_with_control(
     # an instruct model used as is (sft.enabled false) it is SFT started at that model
     if not (control and cfg.has_worked_solutions):
         return stages.train_policy(cfg, pid, ref, run_dir), None
-    ctl_dir = run_dir / "sft_control"
+    ctl_dir = run_dir / "sft_continued"
     if (run_dir / "grpo" / "checkpoints" / "latest").exists():
         # a resumed pipeline: GRPO continues from its checkpoint; a control that finished is
         # kept, one that did not trains after GRPO for all of GRPO's training time

@@ -65,6 +65,19 @@ def decide(
     )
 
 
+def tidy(v: float) -> str:
+    """A number as a tag shows it: whole numbers without decimals, others to 4 decimal places
+    (a bootstrap bound, not float noise).
+
+    >>> tidy(1000.0), tidy(0.1000000015), tidy(4.34e-19), tidy(-0.08012), tidy(float("nan"))
+    ('1000', '0.1', '0', '-0.0801', 'nan')
+    """
+    v = float(v)
+    if v.is_integer():
+        return str(int(v))
+    return f"{round(v, 4) + 0.0:g}"  # + 0.0: -0.0 shown as 0
+
+
 def evidence_tags(
     vs_reference: dict[str, float] | None, vs_champion: dict[str, float] | None
 ) -> dict[str, str]:
@@ -72,7 +85,7 @@ def evidence_tags(
     out: dict[str, str] = {}
     for name, d in (("vs_reference", vs_reference), ("vs_champion", vs_champion)):
         for k, v in (d or {}).items():
-            out[f"gate/{name}/{k}"] = f"{v:.6f}" if isinstance(v, float) else str(v)
+            out[f"gate/{name}/{k}"] = tidy(v) if isinstance(v, float) else str(v)
     return out
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo.config import Config
-from tasks.gate import decide, decision_markdown, evidence_tags
+from tasks.gate import decide, decision_markdown, evidence_tags, tidy
 from tasks.tracking import client, safe_key
 
 
@@ -40,7 +40,7 @@ def register(
     mv = existing[0] if existing else c.create_model_version(
         name, source=model_uri, run_id=run_id, model_id=logged
     )  # fmt: skip
-    tags = {safe_key(k): f"{v:.6f}" for k, v in metrics.items()}
+    tags = {safe_key(k): tidy(v) for k, v in metrics.items()}
     tags.update(evidence_tags(vs_reference, vs_champion))
     promoted, reason = decide(
         vs_reference, vs_champion, champion_version, cfg.tracking.promotion_margin,

@@ -14,15 +14,31 @@ from prefect import get_run_logger, task
 from grpo.config import Config
 from tasks import tracking
 
+# the config sections each stage's run logs as its own params, so that two stage runs compare
+# on their own in the MLflow UI (the parent keeps the whole config)
+STAGE_SECTIONS = {
+    "validate": ("data",), "sft": ("model", "sft", "data"), "grpo": ("grpo", "model", "deepspeed"),
+    "sft_continued": ("sft", "model"), "evaluate": ("eval",),
+}  # fmt: skip
+
 
 def child_run(cfg: Config, parent_id: str, name: str) -> str:
+    """A stage's run under the pipeline's parent run, named `<parent name>/<stage>` (chart
+    legends of two pipelines tell their runs apart), with its sections of the config."""
     c = tracking.client(cfg)
     parent = c.get_run(parent_id)
     run = c.create_run(
         parent.info.experiment_id,
-        run_name=name,
-        tags={"mlflow.parentRunId": parent_id, "stage": name, **tracking.machine_tags()},
+        run_name=f"{parent.info.run_name}/{name}",
+        tags={
+            "mlflow.parentRunId": parent_id,
+            "stage": name,
+            "run_kind": "stage",
+            **tracking.machine_tags(),
+        },  # fmt: skip
     )
+    params = tracking.section_params(cfg, STAGE_SECTIONS.get(name, ()))
+    tracking.log_params(c, run.info.run_id, params)
     return run.info.run_id
 
 
@@ -42,7 +58,9 @@ def stage_run(cfg: Config, parent_id: str, name: str) -> Iterator[str]:
 @task(name="validate-data")
 def validate_data(cfg: Config, parent_id: str, run_dir: Path) -> dict[str, Any]:
     """Great Expectations suites; a failure stops the flow before any training."""
-    from tasks.validation import DataValidationError, validate_datasets
+    from prefect.artifacts import create_markdown_artifact
+
+    from tasks.validation import DataValidationError, validate_datasets, validation_markdown
 
     with stage_run(cfg, parent_id, "validate") as run_id:
         c = tracking.client(cfg)
@@ -55,6 +73,11 @@ def validate_data(cfg: Config, parent_id: str, run_dir: Path) -> dict[str, Any]:
                 c.log_artifacts(run_id, str(docs), "validation/data_docs")
             raise
         c.log_dict(run_id, results, "validation/results.json")
+        # a page that renders offline, beside the Data Docs (their CSS comes from CDNs)
+        summary = validation_markdown(results)
+        c.log_text(run_id, summary, "validation/summary.md")
+        create_markdown_artifact(key="validation", markdown=summary,
+                                 description="data validation (Great Expectations)")  # fmt: skip
         c.log_artifacts(run_id, str(docs), "validation/data_docs")
         inputs = dataset_inputs(cfg)
         c.log_inputs(run_id, datasets=inputs)
@@ -183,6 +206,7 @@ def train_policy(
         n = streamer.drain()
         log.info(f"{n} step metric rows in MLflow run {run_id} ({streamer.failures} failed)")
         rows = tracking.read_jsonl(out / "metrics.jsonl")
+        tracking.mirror_to_parent(c, parent_id, rows, summary["seconds"])
         plot = tracking.plot_curves(rows, out / "curves.png", f"GRPO {cfg.run_name}")
         c.log_artifact(run_id, str(plot), "plots")
         c.log_artifact(run_id, str(out / "deepspeed_config.json"), "config")
@@ -203,6 +227,8 @@ def train_policy(
         c.set_tag(run_id, "generation_engine", summary.get("generation_engine", "unknown"))
         if threads:
             c.set_tag(run_id, "threads", str(threads))
+        # eval/inrun_subset_accuracy's problems: a subset, not the evaluate stage's whole sets
+        c.set_tag(run_id, "eval.inrun_subset_size", str(summary.get("inrun_subset_size", 0)))
     return {"policy": str(out / "policy"), "run_id": run_id, "seconds": summary["seconds"],
             "model_uri": model_uri}  # fmt: skip
 
@@ -226,7 +252,7 @@ def control_threads(cfg: Config) -> int | None:
     return max(1, torch.get_num_threads() // 2) if mode == "concurrent" else None
 
 
-@task(name="sft-control")
+@task(name="sft-continued")
 def sft_control(
     cfg: Config,
     parent_id: str,
@@ -242,15 +268,15 @@ def sft_control(
     from grpo.launch.runner import run_control
 
     log = get_run_logger()
-    out = run_dir / "sft_control"
-    with stage_run(cfg, parent_id, "sft-control") as run_id:
+    out = run_dir / "sft_continued"
+    with stage_run(cfg, parent_id, "sft_continued") as run_id:
         summary = run_control(cfg, Path(reference), out, seconds=seconds, follow=follow,
                               log=log.info, env=_thread_env(threads))  # fmt: skip
         c = tracking.client(cfg)
         rows = tracking.read_jsonl(out.with_name(out.name + "_metrics.jsonl"))
-        tracking.log_step_metrics(c, run_id, rows, prefix="sft_control/")
-        c.log_metric(run_id, "sft_control/seconds", float(summary["seconds"]))
-        c.log_metric(run_id, "sft_control/steps", float(summary["steps"]))
+        tracking.log_step_metrics(c, run_id, rows, prefix="sft_continued/")
+        c.log_metric(run_id, "sft_continued/seconds", float(summary["seconds"]))
+        c.log_metric(run_id, "sft_continued/steps", float(summary["steps"]))
         c.set_tag(run_id, "control_mode", "concurrent" if follow else "sequential")
         if threads:
             c.set_tag(run_id, "threads", str(threads))
@@ -276,11 +302,12 @@ def evaluate(cfg: Config, parent_id: str, models: dict[str, str], run_dir: Path)
                 limit=cfg.eval.limit, progress=False,
             )  # fmt: skip
             samples[label] = tracking.read_jsonl(out / "samples.jsonl")
-            tracking.log_evaluation(cfg, run_id, reports[label], out, prefix=f"{label}/")
+            tracking.log_evaluation(cfg, run_id, reports[label], out, prefix=f"{label}/",
+                                    metrics=False)  # fmt: skip
         table, metrics, paired = comparison(cfg.eval.sets, list(models), reports, samples)
-        # the comparison on the parent run too: the runs list of the MLflow UI shows it directly
+        # the held-out numbers once, on the parent run, where the runs list and a comparison of
+        # two pipelines show them; this run keeps the tables and per-sample files
         tracking.log_metrics(c, parent_id, metrics)
-        tracking.log_metrics(c, run_id, {k: v for k, v in metrics.items() if "/diff_vs_" in k})
         c.log_table(run_id, data=pd.DataFrame(table), artifact_file="comparison.json")
         create_table_artifact(key="evaluation", table=table, description="held-out accuracy")
         markdown = markdown_rows(table)
@@ -305,7 +332,8 @@ def register_model(
     summary = {
         "run_name": cfg.run_name, "steps": g.steps, "prompts": g.prompts_per_step,
         "group": g.num_generations, "loss": g.loss_type, "lr": g.lr, "beta": g.beta,
-        "reference": reference, "data": f"{cfg.data.task} (digest {cfg.digest('data')})",
+        "reference": str(Path(reference).resolve()),  # absolute: read from anywhere
+        "data": f"{cfg.data.task} (digest {cfg.digest('data')})",
     }  # fmt: skip
     reg = register(
         cfg, trained["run_id"], trained["model_uri"], own,

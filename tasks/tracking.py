@@ -142,6 +142,14 @@ def safe_params(cfg: Config) -> dict[str, str]:
     return public_params(cfg.flat())
 
 
+def section_params(cfg: Config, sections: tuple[str, ...]) -> dict[str, str]:
+    """safe_params of the given top-level config sections, with the seed and run name that
+    every stage depends on."""
+    keep = tuple(f"{s}." for s in sections)
+    return {k: v for k, v in safe_params(cfg).items()
+            if k.startswith(keep) or k in ("seed", "run_name")}  # fmt: skip
+
+
 def public_params(flat: dict[str, Any]) -> dict[str, str]:
     """Params without credentials: a key whose last part has a word of SECRET_WORDS is left
     out (a count of tokens is not a token), user:password@ in URLs masked, values cut to 500.
@@ -195,6 +203,24 @@ def log_step_metrics(c: Any, run_id: str, rows: list[dict[str, Any]], prefix: st
     return len(ms)
 
 
+# what a user compares first between two pipelines, mirrored from the grpo stage run onto the
+# parent: selecting two parents in the runs list then shows their curves side by side
+MIRRORED = ("reward", "eval/inrun_subset_accuracy")
+
+
+def mirror_to_parent(c: Any, parent_id: str, rows: list[dict[str, Any]], seconds: float) -> int:
+    """The GRPO curves of MIRRORED as grpo/<name> on the parent, with grpo/steps and
+    grpo/seconds; only steps the parent does not have yet (a retried or resumed stage re-reads
+    the whole metrics file). Returns how many points it logged."""
+    have = max((m.step for m in c.get_metric_history(parent_id, "grpo/reward")), default=-1)
+    new = [{"step": r["step"], **{k: r[k] for k in MIRRORED if k in r}}
+           for r in rows if r.get("step", -1) > have]  # fmt: skip
+    n = log_step_metrics(c, parent_id, new, prefix="grpo/")
+    last = max((r["step"] for r in rows if "step" in r), default=0)
+    log_metrics(c, parent_id, {"grpo/steps": float(last), "grpo/seconds": float(seconds)})
+    return n
+
+
 def log_metrics(c: Any, run_id: str, metrics: dict[str, float]) -> None:
     """Named values at step 0, in batches (one request per 1000, not one each: a served store
     checks credentials on every request)."""
@@ -216,7 +242,7 @@ def plot_curves(rows: list[dict[str, Any]], out: Path, title: str) -> Path:
 
     panels = [
         ("reward", "reward"),
-        ("eval/heldout_accuracy", "held-out accuracy (greedy)"),
+        ("eval/inrun_subset_accuracy", "in-run held-out subset accuracy (greedy)"),
         ("kl", "KL to reference"),
         ("completions/mean_length", "completion length"),
     ]
@@ -316,14 +342,17 @@ class MetricsStreamer:
 
 
 def log_evaluation(
-    cfg: Config, run_id: str, report: dict[str, Any], out_dir: Path, prefix: str = ""
-) -> None:
-    """eval/<set>/<metric> metrics, the per-sample table and the report files."""
+    cfg: Config, run_id: str, report: dict[str, Any], out_dir: Path, prefix: str = "",
+    metrics: bool = True,
+) -> None:  # fmt: skip
+    """eval/<set>/<metric> metrics (unless `metrics` is false: the pipeline logs them once, on
+    its parent run), the per-sample table and the report files."""
     import pandas as pd
 
     c = client(cfg)
-    log_metrics(c, run_id, {f"{prefix}eval/{s}/{k}": v for s, m in report["sets"].items()
-                            for k, v in m.items() if isinstance(v, float)})  # fmt: skip
+    if metrics:
+        log_metrics(c, run_id, {f"{prefix}eval/{s}/{k}": v for s, m in report["sets"].items()
+                                for k, v in m.items() if isinstance(v, float)})  # fmt: skip
     samples = read_jsonl(out_dir / "samples.jsonl")
     if samples:
         c.log_table(run_id, data=pd.DataFrame(samples), artifact_file=f"{prefix}eval/samples.json")

@@ -78,3 +78,9 @@ def tracking_uri(uri: str) -> Iterator[str]:
             os.environ.pop("MLFLOW_TRACKING_URI", None)
         else:
             os.environ["MLFLOW_TRACKING_URI"] = old
+
+
+def by_stage(runs: list) -> dict:  # noqa: ANN201
+    """A pipeline's stage runs by their stage (the `stage` tag): their names carry the
+    pipeline's name (`<parent name>/grpo`)."""
+    return {r.data.tags["stage"]: r for r in runs if "stage" in r.data.tags}

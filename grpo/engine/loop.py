@@ -104,12 +104,14 @@ class Trainer:
         bar = progress_bar(g.steps, "grpo", "step", enabled=progress and not self.rank,
                            initial=start)  # fmt: skip
         if start == 0 and self.eval_rows:
-            self.files.log_metrics({"step": 0, "eval/heldout_accuracy": self.heldout_accuracy()})
+            self.files.log_metrics(
+                {"step": 0, "eval/inrun_subset_accuracy": self.heldout_accuracy()}
+            )
         t_start, last = time.time(), {}
         for step in range(start, g.steps):
             m = self.step(step)
             if g.eval_every and (step + 1) % g.eval_every == 0:
-                m["eval/heldout_accuracy"] = self.heldout_accuracy()
+                m["eval/inrun_subset_accuracy"] = self.heldout_accuracy()
             self.files.log_metrics(m)
             if (step + 1) % g.checkpoint_every == 0 or step + 1 == g.steps:
                 self.files.save_checkpoint(self.engine, step + 1)
@@ -126,6 +128,7 @@ class Trainer:
         return {
             "final": last, "seconds": time.time() - t_start, "start_step": start,
             "generation_engine": engine, "parameters": self.params,
+            "inrun_subset_size": len(self.eval_rows),
         }  # fmt: skip
 
     def step(self, step: int) -> dict[str, float]:

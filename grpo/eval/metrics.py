@@ -148,7 +148,7 @@ def comparison(
     """The table (one row per set: each model's accuracy, each model minus the reference with
     a paired interval; GRPO minus the control and minus the champion when they were evaluated),
     the flat metrics behind it, and the paired differences by model and set (with
-    "grpo_vs_control" and "grpo_vs_champion")."""
+    "grpo_vs_sft_continued" and "grpo_vs_champion")."""
     table, metrics, paired = [], {}, {}
 
     def diff(base: str, label: str, s: str) -> dict[str, float]:
@@ -177,7 +177,7 @@ def comparison(
             metrics[f"{label}/eval/{s}/diff_vs_reference"] = d["diff"]
             paired.setdefault(label, {})[s] = d
         # GRPO against the equal-time control (the honest comparison) and the champion
-        for base, key in (("sft_continued", "control"), ("champion", "champion")):
+        for base, key in (("sft_continued", "sft_continued"), ("champion", "champion")):
             if base not in labels or "grpo" not in labels:
                 continue
             d = diff(base, "grpo", s)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.helpers import ROOT, SMALL
+from tests.helpers import ROOT, SMALL, by_stage
 
 pytestmark = [pytest.mark.slow, pytest.mark.faults]
 
@@ -166,12 +166,12 @@ def test_two_pipelines_on_a_fresh_store_both_finish(tmp_path):
     parents = {
         r.data.params["sft.control"]: r for r in runs if "mlflow.parentRunId" not in r.data.tags
     }
-    kids = {mode: {r.info.run_name: r for r in runs
-                   if r.data.tags.get("mlflow.parentRunId") == p.info.run_id}
+    kids = {mode: by_stage([r for r in runs
+                            if r.data.tags.get("mlflow.parentRunId") == p.info.run_id])
             for mode, p in parents.items()}  # fmt: skip
-    assert "sft-control" not in kids["auto"]  # --no-control
+    assert "sft_continued" not in kids["auto"]  # --no-control
     assert "sft_continued/eval/synthetic/accuracy" not in parents["auto"].data.metrics
-    ctl = kids["sequential"]["sft-control"]
+    ctl = kids["sequential"]["sft_continued"]
     assert ctl.data.tags["control_mode"] == "sequential"
     # after GRPO, for GRPO's training seconds (its summary's), not cut short, and stopping at
     # the first step past them (each step and validation well under 10 s here)
@@ -179,6 +179,6 @@ def test_two_pipelines_on_a_fresh_store_both_finish(tmp_path):
     pid = parents["sequential"].info.run_id
     (summary,) = (tmp_path / "runs").glob(f"tiny/{pid}/grpo/train_summary.json")
     grpo_s = json.loads(summary.read_text())["seconds"]
-    assert grpo_s <= ctl.data.metrics["sft_control/seconds"] <= grpo_s + 10
+    assert grpo_s <= ctl.data.metrics["sft_continued/seconds"] <= grpo_s + 10
     assert ctl.info.start_time >= g.end_time
-    assert "grpo/eval/synthetic/diff_vs_control" in parents["sequential"].data.metrics
+    assert "grpo/eval/synthetic/diff_vs_sft_continued" in parents["sequential"].data.metrics

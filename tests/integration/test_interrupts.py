@@ -111,7 +111,9 @@ def test_ctrl_c_stops_a_pipeline_and_resume_continues_it(tmp_path):
     (parent,) = [r for r in c.search_runs([exp]) if "mlflow.parentRunId" not in r.data.tags]
     pid = parent.info.run_id
     assert f"--resume {pid}" in line
-    kids = {r.info.run_name: r.info.status for r in c.search_runs([exp]) if r.info.run_id != pid}
+    kids = {
+        r.data.tags["stage"]: r.info.status for r in c.search_runs([exp]) if r.info.run_id != pid
+    }
     assert parent.info.status == kids["grpo"] == "KILLED", kids
     assert "RUNNING" not in kids.values(), kids
     grpo_dir = tmp_path / "runs" / "tiny" / pid / "grpo"
@@ -125,7 +127,7 @@ def test_ctrl_c_stops_a_pipeline_and_resume_continues_it(tmp_path):
     steps = [json.loads(x)["step"] for x in (grpo_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 41))  # continued, not started over, each step once
     runs = c.search_runs([exp], f"tags.mlflow.parentRunId = '{pid}'")
-    assert sorted(r.info.status for r in runs if r.info.run_name == "grpo") == [
+    assert sorted(r.info.status for r in runs if r.data.tags["stage"] == "grpo") == [
         "FINISHED",
         "KILLED",
     ]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import ROOT, small_config, tracking_uri
+from tests.helpers import ROOT, by_stage, small_config, tracking_uri
 from tests.realistic_model import build_realistic_model, digit_merging_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -203,9 +203,9 @@ def test_the_pipeline_runs_on_a_real_architecture(real_dir, tmp_path):
     runs = c.search_runs(
         [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
     )
-    by_name = {r.info.run_name: r for r in runs}
+    by_name = by_stage(runs)
     assert {"validate", "sft", "grpo", "evaluate"} <= set(by_name)
-    assert "sft-control" not in by_name  # no SFT: no SFT control either
+    assert "sft_continued" not in by_name  # no SFT: no SFT control either
     grpo_run = by_name["grpo"].info.run_id
     assert [m.step for m in c.get_metric_history(grpo_run, "reward")] == [1, 2]
     for s in ("gsm8k", "math500"):

@@ -26,7 +26,7 @@ import yaml
 
 from grpo.launch.runner import free_port
 from tasks.server_auth import credentials_path
-from tests.helpers import ROOT, small_config
+from tests.helpers import ROOT, by_stage, small_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.serve]
 
@@ -247,8 +247,8 @@ def test_a_triggered_deployment_runs_on_the_worker_and_lands_in_the_mlflow_serve
         kids = c.search_runs(
             [exp.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
         )
-        by_name = {r.info.run_name: r for r in kids}
-        assert {"validate", "sft", "grpo", "sft-control", "evaluate"} <= set(by_name)
+        by_name = by_stage(kids)
+        assert {"validate", "sft", "grpo", "sft_continued", "evaluate"} <= set(by_name)
         grpo_run = by_name["grpo"].info.run_id
         assert [m.step for m in c.get_metric_history(grpo_run, "reward")] == [1, 2]
         # an artifact's bytes come back over HTTP through the server's proxy

@@ -93,8 +93,8 @@ def test_the_comparison_table_pairs_every_model_with_the_reference_and_grpo_with
     # grpo - reference: differences (0, 1, 1, 0): mean 0.5, sample sd 0.57735, half 1.96 * sd / 2
     half = 1.959964 * (1 / 3) ** 0.5 / 2
     assert table[0]["grpo - ref"] == f"+0.500 [{0.5 - half:+.3f}, {0.5 + half:+.3f}]"
-    assert metrics["grpo/eval/s/diff_vs_control"] == 0.25
-    assert paired["grpo_vs_control"]["s"]["n"] == 4.0
+    assert metrics["grpo/eval/s/diff_vs_sft_continued"] == 0.25
+    assert paired["grpo_vs_sft_continued"]["s"]["n"] == 4.0
     md = markdown_rows(table).splitlines()
     assert md[0].startswith("| set | reference | grpo | sft_continued | grpo - ref |")
     assert len(md) == 3 and markdown_rows([]) == ""
