@@ -43,10 +43,14 @@ def grpo_pipeline(params: PipelineParams = PipelineParams()) -> Any:  # noqa: B0
     cfg = load_config(params.config, params.overrides)
     c = tracking.client(cfg)
     exp = c.get_experiment_by_name(cfg.tracking.experiment)
-    exp_id = exp.experiment_id if exp else c.create_experiment(cfg.tracking.experiment)
+    if exp is not None:
+        exp_id = exp.experiment_id
+    else:  # a sqlite store's artifacts beside its file, not in the working directory
+        where = tracking.artifact_location(tracking.tracking_uri(cfg))
+        exp_id = c.create_experiment(cfg.tracking.experiment, artifact_location=where)
     if exp is None or tracking.EXPERIMENT_KIND[0] not in exp.tags:
-        # MLflow 3 opens an experiment of no declared kind in its GenAI view (traces, empty
-        # panels); this kind opens the runs list, where pipelines are compared
+        # the experiment declares itself a model-training one; MLflow 3.17's UI still needs
+        # MODEL_TRAINING_VIEW in the address to open the runs list in a fresh browser
         c.set_experiment_tag(exp_id, *tracking.EXPERIMENT_KIND)
     if closed := tracking.close_orphaned_runs(c, exp_id):
         print(
@@ -105,7 +109,8 @@ def grpo_pipeline(params: PipelineParams = PipelineParams()) -> Any:  # noqa: B0
     c.set_tag(pid, "registered_version", reg["version"])
     tracking.record_decision(c, pid, reg)
     c.set_terminated(pid, "FINISHED")
-    result = {"parent_run_id": pid, "table": ev["table"], "registered": reg,
+    result = {"parent_run_id": pid, "experiment_id": exp_id, "table": ev["table"],
+              "registered": reg,
               "seconds": time.time() - t0, "tracking_uri": tracking.tracking_uri(cfg)}  # fmt: skip
     _print_summary(result)
     return result
@@ -153,13 +158,18 @@ def _train_with_control(
     return trained, future.result()
 
 
+# MLflow 3's UI opens in its GenAI view in a browser that has not chosen otherwise, whatever the
+# experiment's kind tag says; this query picks the model-training view (runs, metrics, models)
+MODEL_TRAINING_VIEW = "workflowType=machine_learning"
+
+
 def _link_mlflow_run(uri: str, exp_id: str, run_id: str) -> None:
     """A link artifact on the Prefect flow run to its MLflow run, when MLflow is a server
     (a sqlite store has no address a browser could open)."""
     if uri.startswith(("http://", "https://")):
         from prefect.artifacts import create_link_artifact
 
-        url = f"{uri.rstrip('/')}/#/experiments/{exp_id}/runs/{run_id}"
+        url = f"{uri.rstrip('/')}/#/experiments/{exp_id}/runs/{run_id}?{MODEL_TRAINING_VIEW}"
         create_link_artifact(key="mlflow-run", link=url, link_text=f"MLflow run {run_id}")
 
 
@@ -181,5 +191,11 @@ def _print_summary(r: dict[str, Any]) -> None:
     con.print(f"Registered [bold]{reg['name']}[/] version {reg['version']} as @{alias}")
     con.print(f"  gate: {reg['reason']}")
     con.print(f"Pipeline finished in {r['seconds']:.0f}s; MLflow run {r['parent_run_id']}")
-    con.print(f"  MLflow UI:  .venv/bin/mlflow ui --backend-store-uri {r['tracking_uri']}")
+    uri, exp = r["tracking_uri"], r["experiment_id"]
+    where = f"/#/experiments/{exp}/runs?{MODEL_TRAINING_VIEW}"
+    if uri.startswith(("http://", "https://")):
+        con.print(f"  MLflow UI:  {uri.rstrip('/')}{where}")
+    else:
+        con.print(f"  MLflow UI:  .venv/bin/mlflow ui --backend-store-uri {uri}")
+        con.print(f"              then http://127.0.0.1:5000{where}")
     con.print("  Prefect UI: .venv/bin/prefect server start  (then http://127.0.0.1:4200)")

@@ -14,6 +14,9 @@ from prefect import get_run_logger, task
 from grpo.config import Config
 from tasks import tracking
 
+# seconds between system-metric samples (a shorter stage still gets one: system_monitor)
+SYSTEM_METRICS_S = 5
+
 # the config sections each stage's run logs as its own params, so that two stage runs compare
 # on their own in the MLflow UI (the parent keeps the whole config)
 STAGE_SECTIONS = {
@@ -45,13 +48,19 @@ def child_run(cfg: Config, parent_id: str, name: str) -> str:
 @contextlib.contextmanager
 def stage_run(cfg: Config, parent_id: str, name: str) -> Iterator[str]:
     """A nested MLflow run for one stage: FINISHED when the block ends, FAILED when it raises,
-    KILLED when it was interrupted (never left RUNNING)."""
+    KILLED when it was interrupted (never left RUNNING). The machine's CPU, memory, disk and
+    network (GPUs where present) are sampled into it while the block runs: MLflow's system
+    metrics, `system/<host>/...`, so that stages on several machines stay apart."""
     run_id = child_run(cfg, parent_id, name)
+    monitor = tracking.system_monitor(run_id, tracking.tracking_uri(cfg), SYSTEM_METRICS_S)
+    monitor.start()
     try:
         yield run_id
     except BaseException as e:
+        monitor.finish()
         tracking.client(cfg).set_terminated(run_id, tracking.end_status(e))
         raise
+    monitor.finish()
     tracking.client(cfg).set_terminated(run_id, "FINISHED")
 
 
@@ -180,7 +189,6 @@ def train_policy(
     CPU threads (the control runs beside it on the others, paced by `pace_file`).
     """
     import pandas as pd
-    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
     from grpo.engine.deepspeed_setup import ADAPTER_DIR
     from grpo.launch.runner import run_grpo
@@ -191,18 +199,10 @@ def train_policy(
     out = run_dir / "grpo"
     with stage_run(cfg, parent_id, "grpo") as run_id:
         c = tracking.client(cfg)
-        monitor = SystemMetricsMonitor(
-            run_id, sampling_interval=5, tracking_uri=tracking.tracking_uri(cfg)
-        )
-        monitor.start()
         # metrics reach MLflow while the ranks train; the JSONL file is the buffer
-        streamer = tracking.MetricsStreamer(cfg, run_id, out / "metrics.jsonl")
-        try:
-            with streamer:
-                summary = run_grpo(cfg, Path(reference), out, resume=True, log=log.info,
-                                   env=_thread_env(threads), pace_file=pace_file)  # fmt: skip
-        finally:
-            monitor.finish()
+        with tracking.MetricsStreamer(cfg, run_id, out / "metrics.jsonl") as streamer:
+            summary = run_grpo(cfg, Path(reference), out, resume=True, log=log.info,
+                               env=_thread_env(threads), pace_file=pace_file)  # fmt: skip
         n = streamer.drain()
         log.info(f"{n} step metric rows in MLflow run {run_id} ({streamer.failures} failed)")
         rows = tracking.read_jsonl(out / "metrics.jsonl")

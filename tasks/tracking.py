@@ -32,6 +32,16 @@ def tracking_uri(cfg: Config) -> str:
     )
 
 
+def artifact_location(uri: str) -> str | None:
+    """Where a new experiment of store `uri` keeps its artifacts: for a sqlite file, mlruns/
+    beside it, not MLflow's default of ./mlruns in whatever directory the process runs in (the
+    tests' stores in temporary directories wrote into the project's); a server or another
+    store chooses (None)."""
+    if uri.startswith("sqlite:///"):
+        return (Path(uri.removeprefix("sqlite:///")).parent / "mlruns").resolve().as_uri()
+    return None
+
+
 _SCHEMA_READY: set[str] = set()  # sqlite stores this process has opened under the lock
 
 
@@ -270,6 +280,37 @@ def plot_curves(rows: list[dict[str, Any]], out: Path, title: str) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def system_monitor(run_id: str, uri: str, interval_s: float) -> Any:
+    """MLflow's system-metrics monitor for one run (CPU, memory, disk, network; GPUs where
+    present) under `system/<host>/`, that logs at least one sample however short the run:
+    MLflow's own drops the sample it took when it is stopped within its first interval."""
+    import socket
+
+    from mlflow.exceptions import MlflowException
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    class AtLeastOnce(SystemMetricsMonitor):
+        published = False
+
+        def publish_metrics(self, metrics: dict[str, float]) -> None:
+            self.published = True
+            super().publish_metrics(metrics)
+
+        def finish(self) -> None:
+            super().finish()  # MLflow's own logs a failure to flush, and goes on
+            if self.published:
+                return
+            try:
+                self.collect_metrics()
+                self.publish_metrics(self.aggregate_metrics())
+                self.mlflow_logger.flush()
+            except (MlflowException, OSError) as e:  # the stage's own outcome must not be masked
+                print(f"warning: system metrics of MLflow run {run_id} not logged: {e}")
+
+    return AtLeastOnce(run_id, sampling_interval=interval_s, node_id=socket.gethostname(),
+                       tracking_uri=uri)  # fmt: skip
 
 
 class MetricsStreamer:

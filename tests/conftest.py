@@ -32,12 +32,18 @@ def _snapshot(home: Path) -> dict[str, int]:
 
 
 USER_PREFECT_BEFORE = _snapshot(USER_PREFECT_HOME)
+# nor in the project's own MLflow artifacts (./mlruns, where `make run` keeps them)
+PROJECT_MLRUNS = Path(__file__).resolve().parents[1] / "mlruns"
+PROJECT_MLRUNS_BEFORE = _snapshot(PROJECT_MLRUNS)
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:  # noqa: ANN001, ARG001
     shutil.rmtree(TEST_PREFECT_HOME, ignore_errors=True)
     if _snapshot(USER_PREFECT_HOME) != USER_PREFECT_BEFORE:
         print(f"\nerror: the tests wrote into the user's Prefect home {USER_PREFECT_HOME}")
+        session.exitstatus = 1
+    if _snapshot(PROJECT_MLRUNS) != PROJECT_MLRUNS_BEFORE:
+        print(f"\nerror: the tests wrote MLflow artifacts into the project's {PROJECT_MLRUNS}")
         session.exitstatus = 1
 
 

@@ -84,3 +84,11 @@ def by_stage(runs: list) -> dict:  # noqa: ANN201
     """A pipeline's stage runs by their stage (the `stage` tag): their names carry the
     pipeline's name (`<parent name>/grpo`)."""
     return {r.data.tags["stage"]: r for r in runs if "stage" in r.data.tags}
+
+
+def new_experiment(client, uri: str, name: str) -> str:  # noqa: ANN001
+    """An experiment of a test's own store whose artifacts stay beside that store, as the
+    pipeline's do, not in the project's ./mlruns (MLflow's default for a sqlite store)."""
+    from tasks.tracking import artifact_location
+
+    return client.create_experiment(name, artifact_location=artifact_location(uri))

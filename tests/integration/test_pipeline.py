@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import SMALL, by_stage, tracking_uri
+from tests.helpers import SMALL, by_stage, new_experiment, tracking_uri
 
 pytestmark = pytest.mark.slow
 
@@ -47,7 +47,7 @@ def _runs_left_by_a_killed_pipeline(uri: str) -> list[str]:
 
     c = MlflowClient(uri, uri)
     exp = c.get_experiment_by_name("grpo-tiny")
-    exp_id = exp.experiment_id if exp else c.create_experiment("grpo-tiny")
+    exp_id = exp.experiment_id if exp else new_experiment(c, uri, "grpo-tiny")
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     gone = {**owner_tags(), "pipeline.pid": str(dead.pid)}
@@ -76,6 +76,10 @@ def test_end_to_end_logs_registers_and_loads(store):
         _print_summary(result)
     assert "sft_continued - ref" in buf.getvalue() and "synthetic_ood" in buf.getvalue()
     assert "grpo - sft_continued" in buf.getvalue()  # GRPO against its equal-time control
+    # the address to open lands in the runs view (a fresh browser opens MLflow's GenAI view)
+    assert f"#/experiments/{result['experiment_id']}/runs?workflowType=machine_learning" in (
+        buf.getvalue()
+    )
     c = MlflowClient(uri, uri)
     parent = c.get_run(result["parent_run_id"])
     # the printed table holds the logged numbers: each set's line, each model's accuracy
@@ -122,6 +126,14 @@ def test_end_to_end_logs_registers_and_loads(store):
     assert [m.step for m in reward] == [1, 2, 3]
     assert len(c.get_metric_history(grpo_run, "eval/inrun_subset_accuracy")) == 4  # steps 0..3
     assert by_name["grpo"].data.tags["eval.inrun_subset_size"] == "24"  # data.num_heldout
+    # the machine's load in every stage run, however short (system metrics, per host)
+    import socket
+
+    for stage, run in by_name.items():
+        sysm = {k for k in run.data.metrics if k.startswith(f"system/{socket.gethostname()}/")}
+        assert {"cpu_utilization_percentage", "system_memory_usage_megabytes"} <= {
+            k.rsplit("/", 1)[-1] for k in sysm
+        }, (stage, sorted(run.data.metrics))
     # stage runs compare on their own: named for their pipeline, with their config sections
     for stage, run in by_name.items():
         assert run.info.run_name == f"{parent.info.run_name}/{stage}"
@@ -241,7 +253,7 @@ def test_the_gate_on_real_registry_state(store):
     tmp, uri = store
     cfg = load_config(CONFIG, _overrides(tmp, "tracking.registered_model=gate-test"))
     c = MlflowClient(uri, uri)
-    exp = c.create_experiment("gate")
+    exp = new_experiment(c, uri, "gate")
     runs = [c.create_run(exp).info.run_id for _ in range(6)]
 
     def reg(i, vs_ref, vs_champ):
@@ -294,6 +306,49 @@ def test_the_gate_on_real_registry_state(store):
         "rollback drill"
         in c.get_model_version("gate-test", first["version"]).tags["manual/champion"]
     )
+
+
+def test_a_second_pipeline_meets_the_first_ones_champion(store):
+    """The nightly deployment's second night: a whole pipeline while a @champion exists. The
+    champion is downloaded and evaluated on the same problems in the same run, its paired
+    difference is logged and recorded on the version, and @champion follows the gate."""
+    from mlflow import MlflowClient
+
+    from flows.pipeline import PipelineParams, grpo_pipeline
+    from grpo.config import load_config
+    from tasks.registry import promote
+
+    tmp, uri = store
+    name = "meets-champion"
+    over = _overrides(tmp, f"tracking.registered_model={name}", "grpo.steps=1")
+    first = grpo_pipeline(PipelineParams(config=CONFIG, overrides=over, control=False))
+    v1 = str(first["registered"]["version"])
+    promote(load_config(CONFIG, over), v1, reason="first night, by hand")  # as `grpo promote`
+    second = grpo_pipeline(PipelineParams(config=CONFIG, overrides=[*over, "grpo.steps=2"],
+                                          control=False))  # fmt: skip
+    v2 = str(second["registered"]["version"])
+    assert v2 != v1
+    c = MlflowClient(uri, uri)
+    pm = c.get_run(second["parent_run_id"]).data.metrics
+    for s in ("synthetic", "synthetic_ood"):  # every set, on the same problems
+        assert pm[f"grpo/eval/{s}/diff_vs_champion"] == pytest.approx(
+            pm[f"grpo/eval/{s}/accuracy"] - pm[f"champion/eval/{s}/accuracy"]
+        )
+    # the champion evaluated here is version 1's model: same accuracy as its own run gave it
+    first_pm = c.get_run(first["parent_run_id"]).data.metrics
+    assert pm["champion/eval/synthetic/accuracy"] == first_pm["grpo/eval/synthetic/accuracy"]
+    mv = c.get_model_version(name, v2)
+    assert float(mv.tags["gate/vs_champion/diff"]) == pytest.approx(
+        pm["grpo/eval/synthetic/diff_vs_champion"], abs=5e-5
+    )
+    assert f"against champion v{v1}" in mv.description
+    # @champion follows the gate: both lower bounds over their bars, or it stays at version 1
+    lows = float(mv.tags["gate/vs_champion/ci_low"]), float(mv.tags["gate/vs_reference/ci_low"])
+    margin = load_config(CONFIG, over).tracking.promotion_margin
+    promoted = lows[0] > margin and lows[1] > 0
+    assert second["registered"]["champion"] == promoted
+    aliases = {k: str(v) for k, v in c.get_registered_model(name).aliases.items()}
+    assert aliases == {"champion": v2 if promoted else v1, "challenger": v2}
 
 
 def test_failing_validation_stops_before_training(store, tmp_path):
@@ -389,7 +444,7 @@ def test_metrics_survive_an_unreachable_tracking_server(tmp_path, store):
     _, uri = store
     cfg = load_config(CONFIG, _overrides(tmp_path))
     c = MlflowClient(uri, uri)
-    run_id = c.create_run(c.create_experiment("outage")).info.run_id
+    run_id = c.create_run(new_experiment(c, uri, "outage")).info.run_id
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "reward": s / 10}) + "\n" for s in (1, 2)))
     os.environ["MLFLOW_TRACKING_URI"] = "http://127.0.0.1:9"  # nothing listens there
@@ -413,7 +468,7 @@ def test_the_reference_is_uploaded_once_and_linked_after(store, tmp_path):
 
     _, uri = store
     c = MlflowClient(uri, uri)
-    exp = c.create_experiment("reference-once")
+    exp = new_experiment(c, uri, "reference-once")
     ref = tmp_path / "ref"
     ref.mkdir()
     (ref / "model.safetensors").write_bytes(b"weights")
@@ -481,7 +536,7 @@ def test_a_lora_grpo_stage_logs_a_merged_model_and_its_adapter(store):
     cfg = load_config(CONFIG, _overrides(tmp, "run_name=lora", "grpo.eval_every=0", *lora))
     c = MlflowClient(uri, uri)
     exp = c.get_experiment_by_name(cfg.tracking.experiment)
-    exp_id = exp.experiment_id if exp else c.create_experiment(cfg.tracking.experiment)
+    exp_id = exp.experiment_id if exp else new_experiment(c, uri, cfg.tracking.experiment)
     parent = c.create_run(exp_id, run_name="lora-parent").info.run_id
     base = base_model_dir(cfg)
 

@@ -237,6 +237,7 @@ def test_a_triggered_deployment_runs_on_the_worker_and_lands_in_the_mlflow_serve
         assert {"evaluation", "evaluation-summary", "mlflow-run"} <= set(by_key)
         link = by_key["mlflow-run"]["data"]
         assert link.startswith("[MLflow run ") and s.tracking in link
+        assert "?workflowType=machine_learning" in link  # the UI's runs view, not its GenAI one
 
         c = MlflowClient(s.tracking, s.tracking)
         exp = c.get_experiment_by_name("serve-e2e")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import small_config, tracking_uri
+from tests.helpers import new_experiment, small_config, tracking_uri
 
 pytestmark = pytest.mark.slow
 BETTER = {"diff": 0.2, "ci_low": 0.1, "ci_high": 0.3, "n": 100.0}  # than its own reference
@@ -33,7 +33,7 @@ def _register_champion(tmp, uri):
 
     cfg = small_config(tmp, "tracking.registered_model=served")
     c = tracking.client(cfg)
-    run = c.create_run(c.create_experiment("serving")).info.run_id
+    run = c.create_run(new_experiment(c, uri, "serving")).info.run_id
     model_uri = log_policy(run, base_model_dir(cfg), {"chat_template": False, "system_prompt": "",
                                                       "max_new_tokens": 6})  # fmt: skip
     reg = register(cfg, run, model_uri, {"eval/synthetic/accuracy": 0.5}, vs_reference=BETTER,
