@@ -22,6 +22,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# the file-rendezvous directories of this process's single-process groups
+_FILE_STORES: list[str] = []
+
+
 def init_distributed(timeout_s: int) -> tuple[int, int]:
     """Start (or join) the process group; returns (rank, world_size)."""
     import deepspeed
@@ -37,6 +41,7 @@ def init_distributed(timeout_s: int) -> tuple[int, int]:
         # directory goes when the process exits, or one file per stage piles up in /tmp
         where = tempfile.mkdtemp(prefix="grpo-dist-")
         atexit.register(shutil.rmtree, where, ignore_errors=True)
+        _FILE_STORES.append(where)  # finish_distributed removes it too (a worker's os._exit)
         init_method = f"file://{os.path.join(where, 'store')}"
     if not dist.is_initialized():
         deepspeed.init_distributed(
@@ -58,11 +63,12 @@ def finish_distributed() -> None:
     failure: a peer blocked in a collective would keep this rank in the barrier until timeout."""
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        return
-    if dist.get_world_size() > 1:
-        dist.barrier()  # no rank tears its end down while a peer still talks to it
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        if dist.get_world_size() > 1:
+            dist.barrier()  # no rank tears its end down while a peer still talks to it
+        dist.destroy_process_group()
+    while _FILE_STORES:
+        shutil.rmtree(_FILE_STORES.pop(), ignore_errors=True)
 
 
 def all_reduce_sum(values: list[float], device: torch.device, op: str = "sum") -> list[float]:

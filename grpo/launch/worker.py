@@ -27,6 +27,17 @@ def main(argv: list[str] | None = None) -> None:
     from grpo.engine.distributed import finish_distributed
 
     finish_distributed()  # only after success: see its docstring
+    # then leave without the interpreter's teardown: C++ destructors of torch, gloo and
+    # DeepSpeed objects run there, and twice a rank whose work was done and saved aborted in
+    # them ("terminate called without an active exception", SIGABRT: a 2-rank SFT stage in CI,
+    # a 1-rank GRPO stage after its last checkpoint in `make test`), failing a finished stage.
+    # Everything a rank leaves behind is written and closed by now; flush what is buffered.
+    import logging
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(0)
 
 
 def _write_error(e: BaseException) -> bool:

@@ -12,6 +12,7 @@ from tests.helpers import small_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 SCRIPT = Path(__file__).parent / "scripts" / "update_once.py"
+LR = 0.01  # every run's learning rate here
 
 
 def _run(
@@ -21,7 +22,7 @@ def _run(
     # completions so that each rank accumulates 2 micro-batches
     cfg = small_config(
         tmp, "grpo.prompts_per_step=2", "grpo.num_generations=4", "grpo.micro_batch_size=2",
-        "grpo.lr=0.01", "grpo.warmup_steps=0", f"deepspeed.zero_stage={stage}",
+        f"grpo.lr={LR}", "grpo.warmup_steps=0", f"deepspeed.zero_stage={stage}",
         f"deepspeed.nproc={nproc}", *extra,
     )  # fmt: skip
     base = base_model_dir(cfg)
@@ -47,11 +48,20 @@ def test_two_ranks_match_one_rank_for_zero2_and_zero3(tmp_path):
     one = _run(tmp_path, "one", 1, 0, *SPLIT_FORWARD)
     moved = max(float((one[k] - base[k]).abs().max()) for k in one)
     assert moved > 1e-4  # the update did something
+    # Adam's first step moves a weight by lr * g / (|g| + eps): lr for a real gradient, less
+    # only where |g| is within ~100x of eps (1e-8), i.e. float noise (k_proj's bias: the
+    # softmax over keys is blind to a bias all keys share, up to RoPE), where another
+    # summation order moves it by up to 2e-5 (seen under ZeRO-3's other forward layout).
+    # Those are compared to within the step itself; every other weight to within 1e-6.
+    noisy = {k: (one[k] - base[k]).abs() < 0.99 * LR for k in one}
+    assert sum(int(m.sum()) for m in noisy.values()) < 0.01 * sum(m.numel() for m in noisy.values())
     for stage in (2, 3):
         two = _run(tmp_path, f"two-z{stage}", 2, stage, *SPLIT_FORWARD)
         assert two.keys() == one.keys()
         for k in one:
-            assert torch.allclose(one[k], two[k], atol=2e-5, rtol=1e-4), (stage, k)
+            diff = (one[k] - two[k]).abs()
+            assert float(diff[~noisy[k]].max(initial=0.0)) < 1e-6, (stage, k)
+            assert float(diff[noisy[k]].max(initial=0.0)) < 0.1 * LR, (stage, k)
 
 
 def test_lora_two_ranks_match_one_rank_for_zero0_and_zero2(tmp_path):
