@@ -191,6 +191,8 @@ def train_policy(
     import pandas as pd
 
     from grpo.engine.deepspeed_setup import ADAPTER_DIR
+    from grpo.engine.run_files import trim_jsonl
+    from grpo.launch.run_dir import checkpoint_step
     from grpo.launch.runner import run_grpo
     from grpo.models.prompts import SYSTEM_PROMPT
     from tasks.serving import log_policy
@@ -199,6 +201,12 @@ def train_policy(
     out = run_dir / "grpo"
     with stage_run(cfg, parent_id, "grpo") as run_id:
         c = tracking.client(cfg)
+        if (step := checkpoint_step(out)) is not None:
+            # a resumed stage: its rank 0 rewrites these files to end at its checkpoint, some
+            # seconds after starting; the streamer below must not read them first (it sent a
+            # discarded step, then lost its place in the rewritten file and failed the stage)
+            for name in ("metrics.jsonl", "completions.jsonl"):
+                trim_jsonl(out / name, step)
         # metrics reach MLflow while the ranks train; the JSONL file is the buffer
         with tracking.MetricsStreamer(cfg, run_id, out / "metrics.jsonl") as streamer:
             summary = run_grpo(cfg, Path(reference), out, resume=True, log=log.info,

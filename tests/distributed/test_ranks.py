@@ -60,8 +60,9 @@ def test_two_ranks_match_one_rank_for_zero2_and_zero3(tmp_path):
         assert two.keys() == one.keys()
         for k in one:
             diff = (one[k] - two[k]).abs()
-            assert float(diff[~noisy[k]].max(initial=0.0)) < 1e-6, (stage, k)
-            assert float(diff[noisy[k]].max(initial=0.0)) < 0.1 * LR, (stage, k)
+            steady, noise = diff[~noisy[k]], diff[noisy[k]]
+            assert steady.numel() == 0 or float(steady.max()) < 1e-6, (stage, k)
+            assert noise.numel() == 0 or float(noise.max()) < 0.1 * LR, (stage, k)
 
 
 def test_lora_two_ranks_match_one_rank_for_zero0_and_zero2(tmp_path):
