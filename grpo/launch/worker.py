@@ -28,10 +28,10 @@ def main(argv: list[str] | None = None) -> None:
 
     finish_distributed()  # only after success: see its docstring
     # then leave without the interpreter's teardown: C++ destructors of torch, gloo and
-    # DeepSpeed objects run there, and twice a rank whose work was done and saved aborted in
-    # them ("terminate called without an active exception", SIGABRT: a 2-rank SFT stage in CI,
-    # a 1-rank GRPO stage after its last checkpoint in `make test`), failing a finished stage.
-    # Everything a rank leaves behind is written and closed by now; flush what is buffered.
+    # DeepSpeed objects run there, and a rank whose work was done and saved aborted in them
+    # ("terminate called without an active exception", SIGABRT: a 2-rank SFT stage in CI),
+    # failing a finished stage. Everything a rank leaves behind is written and closed by now;
+    # flush what is buffered.
     import logging
 
     sys.stdout.flush()
