@@ -27,11 +27,14 @@ def main(argv: list[str] | None = None) -> None:
     from grpo.engine.distributed import finish_distributed
 
     finish_distributed()  # only after success: see its docstring
-    # then leave without the interpreter's teardown: C++ destructors of torch, gloo and
-    # DeepSpeed objects run there, and a rank whose work was done and saved aborted in them
-    # ("terminate called without an active exception", SIGABRT: a 2-rank SFT stage in CI),
-    # failing a finished stage. Everything a rank leaves behind is written and closed by now;
-    # flush what is buffered.
+
+
+def _exit_now() -> None:
+    """Leave without the interpreter's teardown: C++ destructors of torch, gloo and DeepSpeed
+    objects run there, and a rank whose work was done and saved aborted in them ("terminate
+    called without an active exception", SIGABRT: a 2-rank SFT stage in CI), failing a
+    finished stage. Everything a rank leaves behind is written and closed by the time main()
+    returns; this flushes what is buffered."""
     import logging
 
     sys.stdout.flush()
@@ -115,3 +118,4 @@ def _main(argv: list[str] | None) -> None:
 
 if __name__ == "__main__":
     main()
+    _exit_now()  # reached only after success: a failure has exited with 1 (or raised)
