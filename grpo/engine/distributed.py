@@ -38,20 +38,17 @@ def init_distributed(timeout_s: int) -> tuple[int, int]:
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
         )  # fmt: skip
         # a file rendezvous: no TCP port that a neighbouring process could take first; its
-        # directory goes when the process exits, or one file per stage piles up in /tmp
+        # directory goes with the group (finish_distributed), or one file per stage piles up
+        # in /tmp. No peer to wait for, so finishing is safe at any exit, failed or not.
         where = tempfile.mkdtemp(prefix="grpo-dist-")
-        atexit.register(shutil.rmtree, where, ignore_errors=True)
-        _FILE_STORES.append(where)  # finish_distributed removes it too (a worker's os._exit)
+        _FILE_STORES.append(where)
+        atexit.register(finish_distributed)
         init_method = f"file://{os.path.join(where, 'store')}"
     if not dist.is_initialized():
         deepspeed.init_distributed(
             timeout=timedelta(seconds=timeout_s), init_method=init_method, rank=0 if init_method
             else -1, world_size=1 if init_method else -1,
         )  # fmt: skip
-        if init_method:
-            # no peer to wait for: safe at any exit, failed or not (registered after the
-            # rmtree above, so it runs before it)
-            atexit.register(finish_distributed)
     return dist.get_rank(), dist.get_world_size()
 
 
