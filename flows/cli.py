@@ -150,7 +150,14 @@ def cmd_serve(a: argparse.Namespace) -> None:
     from flows.serve import serve
 
     serve(a.config, prefect_port=a.prefect_port, mlflow_port=a.mlflow_port,
-          state_dir=a.state_dir, pool=a.pool)  # fmt: skip
+          state_dir=a.state_dir, pool=a.pool, stale_hours=a.alert_stale_hours,
+          database=a.database)  # fmt: skip
+
+
+def cmd_worker(a: argparse.Namespace) -> None:
+    from flows.serve import worker
+
+    worker(a.pool, a.name)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -206,6 +213,17 @@ def main(argv: list[str] | None = None) -> None:
     sv.add_argument("--mlflow-port", type=int, default=5000)
     sv.add_argument("--state-dir", help="servers' stores and logs (default: the project)")
     sv.add_argument("--pool", default="grpo-process-pool", help="work pool the worker serves")
+    sv.add_argument("--database", metavar="local|URL",
+                    help="the servers' stores in PostgreSQL: `local` starts one in the state "
+                    "directory (from a wheel); postgresql://user@host[:port] is a team's server "
+                    "(password in PGPASSWORD or ~/.pgpass). Default: SQLite files")  # fmt: skip
+    wk = add("worker", cmd_worker, "another worker for a running serve's work pool (this "
+             "machine or another)")  # fmt: skip
+    wk.add_argument("--pool", default="grpo-process-pool", help="the work pool to serve")
+    wk.add_argument("--name", help="the worker's name in the Prefect UI (default: generated)")
+    sv.add_argument("--alert-stale-hours", type=float, default=26.0,
+                    help="with GRPO_ALERT_WEBHOOK_URL set: alert when the nightly deployment has "
+                    "had no completed run for this long")  # fmt: skip
     a = p.parse_args(argv)
     from grpo.launch.environment import quiet_environment
 
@@ -264,6 +282,7 @@ RESUME = {
     "RUN_ID` (the MLflow run printed above) continues it, GRPO from its last checkpoint",
     "promote": "nothing was changed unless the alias line was printed",
     "import-gguf": "stopped; the next run converts the file again",
+    "worker": "the worker stopped; a flow run it had started ends Crashed",
 }
 
 

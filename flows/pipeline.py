@@ -37,10 +37,11 @@ class PipelineParams(BaseModel):
 
 @flow(name="grpo-pipeline", log_prints=True)
 def grpo_pipeline(params: PipelineParams = PipelineParams()) -> Any:  # noqa: B008
-    from tasks import registry, stages, tracking
+    from tasks import approval, registry, stages, tracking
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cfg = load_config(params.config, params.overrides)
+    approval.check_reachable(cfg)
     c = tracking.client(cfg)
     exp = c.get_experiment_by_name(cfg.tracking.experiment)
     if exp is not None:
@@ -93,6 +94,8 @@ def grpo_pipeline(params: PipelineParams = PipelineParams()) -> Any:  # noqa: B0
             models["champion"] = champ["path"]
         ev = stages.evaluate(cfg, pid, models, run_dir)
         reg = stages.register_model(cfg, trained, ref, ev, champ)
+        if reg["awaiting_approval"]:
+            reg = _await_approval(cfg, reg, ev["markdown"])
     except (KeyboardInterrupt, TerminationSignal) as e:
         # Ctrl-C, or SIGTERM (which Prefect's engine turns into TerminationSignal while a flow
         # runs): every stage's processes stop, and the flow run ends Cancelled, not Crashed,
@@ -114,6 +117,20 @@ def grpo_pipeline(params: PipelineParams = PipelineParams()) -> Any:  # noqa: B0
               "seconds": time.time() - t0, "tracking_uri": tracking.tracking_uri(cfg)}  # fmt: skip
     _print_summary(result)
     return result
+
+
+def _await_approval(cfg: Any, reg: dict[str, Any], evidence_md: str) -> dict[str, Any]:
+    """tracking.promotion: approve: the flow run pauses until a person decides in the Prefect
+    UI (or the timeout rejects); the decision goes on the model version and the flow run."""
+    from prefect.artifacts import create_markdown_artifact
+
+    from tasks import approval, registry
+
+    reg = registry.apply_approval(cfg, reg, approval.ask(cfg, reg, evidence_md))
+    print(f"approval: {reg['reason']}")
+    create_markdown_artifact(key="promotion", markdown=reg["decision"],
+                             description="the approved or rejected promotion")  # fmt: skip
+    return reg
 
 
 def _train_with_control(

@@ -21,9 +21,12 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import psutil
 
+from flows import alerts, postgres
+from flows.postgres import Stores
 from reward_fns.errors import UserError
 from tasks import server_auth
 
@@ -106,6 +109,8 @@ def serve(
     mlflow_port: int = 5000,
     state_dir: str | Path | None = None,
     pool: str = POOL,
+    stale_hours: float = alerts.STALE_HOURS,
+    database: str | None = None,
 ) -> None:
     """Start everything, deploy `config` as the scheduled pipeline, watch the children.
 
@@ -115,12 +120,18 @@ def serve(
     the server with MLFLOW_TRACKING_URI=http://127.0.0.1:5000 to use the served store.
     """
     host = os.environ.get("GRPO_SERVE_HOST", "127.0.0.1")
+    alert_url = os.environ.get(alerts.URL_VAR)
+    if alert_url is not None and urlsplit(alert_url).scheme not in ("http", "https"):
+        raise ServeError(f"{alerts.URL_VAR} must be an http(s) URL, got {alert_url[:8]!r}...")
+    if stale_hours * 3600 < 10:
+        raise ServeError("--alert-stale-hours must be at least 10 seconds (Prefect's minimum)")
     state = Path(state_dir).resolve() if state_dir else PROJECT
     private = server_auth.credentials_path(state).parent
     private.mkdir(mode=0o700, parents=True, exist_ok=True)
     lock = _hold_state_dir(private)  # noqa: F841 (held until this function returns)
     api_url, tracking = f"http://{host}:{prefect_port}/api", f"http://{host}:{mlflow_port}"
     creds = server_auth.create_or_load(state, tracking, api_url)
+    stores = _stores(database, state, creds)
     env = {k: v for k, v in os.environ.items() if not _credential_var(k)}
     env.update({
         "PREFECT_HOME": str(state / ".prefect"),
@@ -137,9 +148,18 @@ def serve(
     })  # fmt: skip
     # the servers' own secrets go to the server that needs each, nowhere else
     server_env = {
-        "prefect": {"PREFECT_SERVER_API_AUTH_STRING": creds.prefect_auth_string},
+        "prefect": {
+            "PREFECT_SERVER_API_AUTH_STRING": creds.prefect_auth_string,
+            **stores.server_env(),
+            **(
+                {"PREFECT_API_DATABASE_CONNECTION_URL": stores.prefect_url}
+                if stores.prefect_url
+                else {}
+            ),
+        },
         "mlflow": {
-            "MLFLOW_AUTH_CONFIG_PATH": str(_write_auth_ini(private)),
+            **stores.server_env(),
+            "MLFLOW_AUTH_CONFIG_PATH": str(_write_auth_ini(private, stores.mlflow_auth_uri)),
             "MLFLOW_AUTH_ADMIN_USERNAME": server_auth.USERNAME,
             "MLFLOW_AUTH_ADMIN_PASSWORD": creds.mlflow_password,
             "MLFLOW_FLASK_SERVER_SECRET_KEY": creds.flask_secret_key,
@@ -164,7 +184,7 @@ def serve(
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    db = f"sqlite:///{state / 'mlflow-serve.db'}"
+    db = stores.mlflow_uri
     start(
         [_bin("prefect"), "server", "start", "--host", host, "--port", str(prefect_port)], "prefect"
     )
@@ -182,10 +202,20 @@ def serve(
                              "overrides": [], "control": True}}  # fmt: skip
         _run([_bin("prefect"), "--no-prompt", "deploy", "--name", DEPLOYMENT, "--pool", pool,
               "--params", json.dumps(params)], env, "deploying prefect.yaml")  # fmt: skip
+        if alert_url:  # to this one process only: the URL may hold a token
+            _run([sys.executable, "-m", "flows.alerts", f"grpo-pipeline/{DEPLOYMENT}",
+                  str(stale_hours)], {**env, alerts.URL_VAR: alert_url},
+                 "creating the alerts")  # fmt: skip
+            said = (f"alerts to {alerts.where(alert_url)}: a failed or crashed run, no "
+                    f"completed run for {stale_hours:g} h")  # fmt: skip
+        else:
+            said = f"alerts off (set {alerts.URL_VAR} to a webhook URL to have them)"
         start([_bin("prefect"), "worker", "start", "--pool", pool], "worker")
         print(f"Prefect UI: http://{host}:{prefect_port}")
         print(f"MLflow UI:  http://{host}:{mlflow_port}")
         print(f"deployment grpo-pipeline/{DEPLOYMENT} runs {config or 'the default config'}")
+        print(said)
+        print(f"stores: {stores.describe}")
         print(f"credentials (user {server_auth.USERNAME}): {server_auth.credentials_path(state)}")
         print(f"logs in {logs}; Ctrl-C stops everything", flush=True)
         while stop["signal"] is None:
@@ -197,23 +227,71 @@ def serve(
             time.sleep(1)
     finally:
         _stop_all(procs)
+        stores.stop()
+
+
+def worker(pool: str = POOL, name: str | None = None) -> None:
+    """Another worker for a running serve's pool, on this machine or another: checks that the
+    Prefect API (PREFECT_API_URL, credentials as for any client) answers, then becomes
+    `prefect worker start`. Its flow runs need the project at the same path as serve's (the
+    deployment's pull step) and MLflow's address and credentials in this environment."""
+    api = os.environ.get("PREFECT_API_URL", "")
+    if not api.startswith(("http://", "https://")):
+        raise ServeError(
+            "grpo worker: set PREFECT_API_URL to the serve's API (http://HOST:4200/api) and its "
+            "credentials (README, For a team)"
+        )
+    needed = ("MLFLOW_TRACKING_URI", "PREFECT_API_AUTH_STRING")
+    missing = [k for k in needed if not os.environ.get(k)]
+    if missing:
+        raise ServeError(f"grpo worker: {', '.join(missing)} not set: its flow runs could not "
+                         "reach the servers (README, For a team)")  # fmt: skip
+    import base64
+
+    token = base64.b64encode(os.environ["PREFECT_API_AUTH_STRING"].encode()).decode()
+    req = urllib.request.Request(f"{api.rstrip('/')}/flow_runs/count", data=b"{}",
+                                 headers={"Authorization": f"Basic {token}",
+                                          "Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=30):
+            pass
+    except urllib.error.HTTPError as e:
+        raise ServeError(f"grpo worker: {api} refused the credentials ({e.code})") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise ServeError(f"grpo worker: {api} does not answer ({e})") from None
+    cmd = [_bin("prefect"), "worker", "start", "--pool", pool, *(["--name", name] if name else [])]
+    os.execv(cmd[0], cmd)
 
 
 def _credential_var(name: str) -> bool:
     """Credentials the caller's shell may hold for other servers: never passed on."""
     return name in ("PREFECT_API_KEY", "PREFECT_API_AUTH_STRING", "PREFECT_SERVER_API_AUTH_STRING",
                     "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD",
-                    "MLFLOW_TRACKING_TOKEN", "MLFLOW_AUTH_ADMIN_PASSWORD")  # fmt: skip
+                    "MLFLOW_TRACKING_TOKEN", "MLFLOW_AUTH_ADMIN_PASSWORD",
+                    alerts.URL_VAR, "PGPASSWORD")  # fmt: skip
 
 
-def _write_auth_ini(private: Path) -> Path:
+def _stores(database: str | None, state: Path, creds: server_auth.ServeCredentials) -> Stores:
+    """The two servers' stores: SQLite files in the state directory (one person), the wheel's
+    PostgreSQL there (`local`), or a team's PostgreSQL server (a URL)."""
+    if database is None:
+        return Stores(f"sqlite:///{state / 'mlflow-serve.db'}", "", None,
+                      f"SQLite in {state}",
+                      mlflow_auth_uri=f"sqlite:///{server_auth.credentials_path(state).parent}"
+                      "/mlflow-auth.db")  # fmt: skip
+    if database == "local":
+        return postgres.local(state, creds.postgres_password)
+    return postgres.external(database, os.environ.get("PGPASSWORD"))
+
+
+def _write_auth_ini(private: Path, database_uri: str) -> Path:
     """MLflow's basic-auth settings: users in the state directory; the admin's password comes
     from the environment (MLFLOW_AUTH_ADMIN_PASSWORD), so this file holds no secret."""
     ini = private / "mlflow-auth.ini"
     ini.write_text(
         "[mlflow]\n"
         "default_permission = READ\n"
-        f"database_uri = sqlite:///{private / 'mlflow-auth.db'}\n"
+        f"database_uri = {database_uri}\n"
         f"admin_username = {server_auth.USERNAME}\n"
         "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
         # a password check is a slow key derivation (PBKDF2) on every request; one server

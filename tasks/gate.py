@@ -130,14 +130,21 @@ def decision_markdown(
     vs_champion: dict[str, float] | None,
     champion_version: str | None,
     margin: float,
+    *,
+    advice: bool | None = None,
 ) -> str:
     """The gate's decision and both paired comparisons, for where people look first: the
     version's description, the pipeline's parent run and the Prefect flow run. (The decisive
-    comparison used to be missing when the reference check failed first.)"""
+    comparison used to be missing when the reference check failed first.) With `advice`
+    (tracking.promotion: approve) the version awaits a person, the gate's verdict advises."""
     aliases = "@champion and @challenger" if promoted else "@challenger"
+    if advice is not None:  # tracking.promotion: approve; the gate only advises the approver
+        verdict = (f"awaiting approval** ({aliases}). The gate advises "
+                   f"{'for' if advice else 'against'} promotion:")  # fmt: skip
+    else:
+        verdict = f"{'promoted' if promoted else 'not promoted'}** ({aliases})."
     lines = [
-        f"**{name} version {version}: {'promoted' if promoted else 'not promoted'}** "
-        f"({aliases}). {reason}",
+        f"**{name} version {version}: {verdict} {reason}",
         "",
         f"- against its own SFT reference: {_comparison(vs_reference, '0')}",
     ]

@@ -42,24 +42,83 @@ def register(
     )  # fmt: skip
     tags = {safe_key(k): tidy(v) for k, v in metrics.items()}
     tags.update(evidence_tags(vs_reference, vs_champion))
-    promoted, reason = decide(
+    passed, reason = decide(
         vs_reference, vs_champion, champion_version, cfg.tracking.promotion_margin,
         cfg.tracking.promotion_metric,
     )  # fmt: skip
-    tags.update({"gate/decision": "promoted" if promoted else "not promoted", "promotion": reason,
+    if passed:
+        passed, reason = _champion_unchanged(c, name, champion_version, reason)
+    awaiting = cfg.tracking.promotion == "approve"
+    verdict = ("recommended" if passed else "not recommended") if awaiting else (
+        "promoted" if passed else "not promoted")  # fmt: skip
+    tags.update({"gate/decision": verdict, "promotion": reason,
+                 "gate/champion_version": str(champion_version or "none"),
                  "eval_settings": cfg.digest("eval", "data")})  # fmt: skip
+    if awaiting:
+        tags["approval/decision"] = "awaiting"
     for k, v in tags.items():
         c.set_model_version_tag(name, mv.version, k, v)
     c.set_registered_model_alias(name, "challenger", mv.version)
+    promoted = passed and not awaiting
     if promoted:
         c.set_registered_model_alias(name, "champion", mv.version)
     decision = decision_markdown(
         name, str(mv.version), promoted, reason, vs_reference, vs_champion, champion_version,
-        cfg.tracking.promotion_margin,
+        cfg.tracking.promotion_margin, advice=passed if awaiting else None,
     )  # fmt: skip
-    c.update_model_version(name, mv.version, description=f"{decision}\n\n{description}".strip())
+    about = description.strip()
+    c.update_model_version(name, mv.version, description=f"{decision}\n\n{about}".strip())
     return {"name": name, "version": mv.version, "champion": promoted, "reason": reason,
-            "decision": decision}  # fmt: skip
+            "decision": decision, "gate_passed": passed, "awaiting_approval": awaiting,
+            "champion_version": champion_version, "about": about}  # fmt: skip
+
+
+def _champion_unchanged(c: Any, name: str, compared: str | None, reason: str) -> tuple[bool, str]:
+    """The gate's evidence is against the champion of the run's start: when another pipeline
+    moved @champion since (two finishing at once, or a decision that waited for a person), that
+    evidence no longer says anything, and the candidate is not promoted over a model it never
+    met. (MLflow has no compare-and-set for aliases: a move in the instant between this check
+    and the alias write is not caught.)"""
+    now = _alias_version(c, name, "champion")
+    now_v = str(now.version) if now is not None else None
+    if now_v == (str(compared) if compared is not None else None):
+        return True, reason
+    was = f"v{compared}" if compared else "none"
+    return False, (
+        f"{reason.split(':', 1)[0]}: @champion moved from {was} to v{now_v} during this run; "
+        "the evidence is against a model that is no longer champion: refused (grpo promote "
+        "overrides)"
+    )
+
+
+def apply_approval(cfg: Config, reg: dict[str, Any], approval: dict[str, Any]) -> dict[str, Any]:
+    """A person's decision on a version that awaited approval (tasks.approval): @champion when
+    approved and the champion the evidence was against is still champion; the decision, who,
+    when and why as tags and in the description. A rejection leaves @champion where it was."""
+    c = client(cfg)
+    name, version = reg["name"], str(reg["version"])
+    promote = bool(approval["promote"])
+    why = f"{'approved' if promote else 'rejected'} by {approval['by']}: {approval['reason']}"
+    if promote:
+        promote, reason = _champion_unchanged(c, name, reg["champion_version"], why)
+    else:
+        reason = why
+    if promote and not reg["gate_passed"]:
+        reason += " (against the gate's advice)"
+    tags = {"approval/decision": "approved" if approval["promote"] else "rejected",
+            "approval/by": approval["by"], "approval/at": approval["at"],
+            "approval/reason": approval["reason"], "promotion": reason}  # fmt: skip
+    for k, v in tags.items():
+        c.set_model_version_tag(name, version, k, v)
+    if promote:
+        c.set_registered_model_alias(name, "champion", version)
+    aliases = "@champion and @challenger" if promote else "@challenger"
+    heading = (f"**{name} version {version}: {'promoted' if promote else 'not promoted'}** "
+               f"({aliases}). {reason}")  # fmt: skip
+    decision = f"{heading}\n\nThe gate's evidence, as the approver saw it:\n\n{reg['decision']}"
+    c.update_model_version(name, version, description=f"{decision}\n\n{reg['about']}".strip())
+    return {**reg, "champion": promote, "reason": reason, "decision": decision,
+            "awaiting_approval": False}  # fmt: skip
 
 
 def champion(cfg: Config, dst: Path) -> dict[str, Any]:

@@ -43,6 +43,7 @@ class ServeCredentials:
     flask_secret_key: str  # MLflow's auth app signs its CSRF tokens with it
     mlflow_uri: str = ""
     prefect_api_url: str = ""
+    postgres_password: str = ""  # serve --database local's server (files from before: made now)
 
     @property
     def prefect_auth_string(self) -> str:
@@ -57,7 +58,8 @@ class ServeCredentials:
         }
 
     def secrets(self) -> tuple[str, ...]:
-        return (self.mlflow_password, self.prefect_password, self.flask_secret_key)
+        return (self.mlflow_password, self.prefect_password, self.flask_secret_key,
+                self.postgres_password)  # fmt: skip
 
 
 def credentials_path(state: Path) -> Path:
@@ -93,6 +95,7 @@ def create_or_load(state: Path, mlflow_uri: str, prefect_api_url: str) -> ServeC
         mlflow_password=old.mlflow_password if old else secrets.token_urlsafe(24),
         prefect_password=old.prefect_password if old else secrets.token_urlsafe(24),
         flask_secret_key=old.flask_secret_key if old else secrets.token_hex(32),
+        postgres_password=(old.postgres_password if old else "") or secrets.token_urlsafe(24),
         mlflow_uri=mlflow_uri,
         prefect_api_url=prefect_api_url,
     )

@@ -207,3 +207,12 @@ class TrackingConfig(Strict):
     promotion_margin: float = Field(
         0.005, ge=0, description="the 95% lower bound of candidate - champion must exceed it"
     )
+    promotion: Literal["auto", "approve"] = Field(
+        "auto",
+        description="auto: the gate alone moves @champion; approve: the flow pauses after the "
+        "gate's evidence and a person approves or rejects in the Prefect UI (needs a Prefect "
+        "server, e.g. grpo serve)",
+    )
+    approval_timeout_s: int = Field(
+        43200, gt=0, description="approve: no decision within this many seconds is a rejection"
+    )

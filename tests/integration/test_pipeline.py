@@ -1,5 +1,6 @@
 """The whole flow through a real temporary Prefect API and a real sqlite MLflow store."""
 
+import json
 import os
 import subprocess
 import sys
@@ -306,6 +307,149 @@ def test_the_gate_on_real_registry_state(store):
         "rollback drill"
         in c.get_model_version("gate-test", first["version"]).tags["manual/champion"]
     )
+    # evidence against a champion that another pipeline replaced meanwhile promotes nothing
+    runs.append(c.create_run(exp).info.run_id)
+    stale = register(
+        cfg, runs[6], f"runs:/{runs[6]}/policy", {"eval/synthetic/accuracy": 0.9},
+        vs_reference=good_ref, vs_champion={"diff": 0.3, "ci_low": 0.2, "ci_high": 0.4, "n": 1e3},
+        champion_version=better["version"],
+    )  # fmt: skip
+    assert (
+        not stale["champion"]
+        and f"moved from v{better['version']} to v{first['version']}" in (stale["reason"])
+    )
+    assert c.get_model_version_by_alias("gate-test", "champion").version == first["version"]
+
+
+def _paused_flow_run(thread, seconds: float = 600):  # noqa: ANN001, ANN202
+    """The one PAUSED flow run of this module's Prefect API, while `thread` runs its flow."""
+    import time
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+
+    paused = FlowRunFilter(
+        state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.PAUSED]))
+    )
+    deadline = time.time() + seconds
+    with get_client(sync_client=True) as pc:
+        while not (runs := pc.read_flow_runs(flow_run_filter=paused)):
+            assert thread.is_alive(), "the flow ended without pausing"
+            assert time.time() < deadline, f"no paused flow run within {seconds:.0f}s"
+            time.sleep(0.5)
+    (run,) = runs
+    return run
+
+
+def _in_thread(fn):  # noqa: ANN001, ANN202
+    """fn() in a thread; the returned dict gets its result or its exception."""
+    import threading
+
+    out: dict = {}
+
+    def target() -> None:
+        try:
+            out["result"] = fn()
+        except BaseException as e:  # noqa: BLE001 (handed to the test thread)
+            out["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    return t, out
+
+
+def test_approval_rejects_and_times_out_without_moving_the_champion(store):
+    """tracking.promotion=approve on real registry state: the flow pauses with the gate's
+    evidence in its form, a malformed answer is refused by the server, a rejection is recorded
+    on the version with who and why, and so is a timeout; @champion stays where it was."""
+    from mlflow import MlflowClient
+    from prefect import flow, get_client
+    from prefect.flow_runs import resume_flow_run
+
+    from flows.pipeline import _await_approval
+    from grpo.config import load_config
+    from tasks.approval import ApprovalError, check_reachable
+    from tasks.registry import register
+
+    tmp, uri = store
+    name = "approval-test"
+    cfg = load_config(CONFIG, _overrides(tmp, f"tracking.registered_model={name}",
+                                         "tracking.promotion=approve"))  # fmt: skip
+    c = MlflowClient(uri, uri)
+    exp = new_experiment(c, uri, "approval")
+    good = {"diff": 0.15, "ci_low": 0.12, "ci_high": 0.18, "n": 1000.0}
+
+    @flow(name="approval-under-test")
+    def decide(run_id: str, champion: str | None, timeout: int) -> dict:
+        waits = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(
+            update={"approval_timeout_s": timeout})})  # fmt: skip
+        reg = register(
+            waits, run_id, f"runs:/{run_id}/policy", {"eval/synthetic/accuracy": 0.7},
+            vs_reference=good, vs_champion=good if champion else None,
+            champion_version=champion, description="hand-made evidence",
+        )  # fmt: skip
+        assert not reg["champion"] and reg["gate_passed"] and reg["awaiting_approval"]
+        return _await_approval(waits, reg, "| set | accuracy |\n|---|---|\n| synthetic | 0.7 |")
+
+    from tasks.registry import promote
+
+    # version 1 becomes champion by hand; version 2 is put to a person, who rejects it
+    first = c.create_run(exp).info.run_id
+    t, out = _in_thread(lambda: decide(first, None, 600))
+    run = _paused_flow_run(t)
+    resume_flow_run(run.id, run_input={"promote": False, "by": "t", "reason": "x"})
+    t.join(120)
+    promote(cfg, "1", reason="set up")
+    second = c.create_run(exp).info.run_id
+    t, out = _in_thread(lambda: decide(second, "1", 600))
+    run = _paused_flow_run(t)
+    with get_client(sync_client=True) as pc:
+        form = pc.read_flow_run_input(run.id, "paused-1-description")
+        schema = pc.read_flow_run_input(run.id, "paused-1-schema")
+    assert "version 2: awaiting approval" in form and "The gate advises for promotion" in form
+    assert "| synthetic | 0.7 |" in form and "against champion v1" in form
+    assert {"promote", "by", "reason"} <= set(json.loads(schema)["properties"])
+    assert c.get_model_version(name, "2").tags["approval/decision"] == "awaiting"
+    with pytest.raises(RuntimeError, match="by"):  # the server checks the answer's form
+        resume_flow_run(run.id, run_input={"promote": True, "by": "", "reason": "x"})
+    resume_flow_run(run.id, run_input={"promote": False, "by": "Ana",
+                                       "reason": "the eval set changed today"})  # fmt: skip
+    t.join(120)
+    assert out["result"]["champion"] is False, out
+    tags = c.get_model_version(name, "2").tags
+    assert (tags["approval/decision"], tags["approval/by"], tags["approval/reason"]) == (
+        "rejected", "Ana", "the eval set changed today")  # fmt: skip
+    assert tags["gate/decision"] == "recommended" and tags["approval/at"]
+    assert c.get_model_version(name, "2").description.startswith(
+        f"**{name} version 2: not promoted** (@challenger). rejected by Ana: the eval set "
+        "changed today"
+    )
+    assert str(c.get_model_version_by_alias(name, "champion").version) == "1"
+
+    # nobody answers: a rejection, and the flow run still completes (Prefect would fail it)
+    third = c.create_run(exp).info.run_id
+    t, out = _in_thread(lambda: decide(third, "1", 3))
+    t.join(120)
+    assert out["result"]["champion"] is False, out
+    tags = c.get_model_version(name, "3").tags
+    assert tags["approval/decision"] == "rejected" and tags["approval/by"] == "nobody"
+    assert "no decision within 3 s" in tags["approval/reason"]
+    assert str(c.get_model_version_by_alias(name, "champion").version) == "1"
+    with get_client(sync_client=True) as pc:
+        (last,) = pc.read_flow_runs(sort="START_TIME_DESC", limit=1)
+    assert last.state.is_completed(), last.state
+
+    # without a server a person could open, approval is refused before anything runs
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        with pytest.raises(ApprovalError, match="PREFECT_API_URL"):
+            check_reachable(cfg)
 
 
 def test_a_second_pipeline_meets_the_first_ones_champion(store):
@@ -313,22 +457,44 @@ def test_a_second_pipeline_meets_the_first_ones_champion(store):
     champion is downloaded and evaluated on the same problems in the same run, its paired
     difference is logged and recorded on the version, and @champion follows the gate."""
     from mlflow import MlflowClient
+    from prefect.flow_runs import resume_flow_run
 
     from flows.pipeline import PipelineParams, grpo_pipeline
     from grpo.config import load_config
-    from tasks.registry import promote
 
     tmp, uri = store
     name = "meets-champion"
     over = _overrides(tmp, f"tracking.registered_model={name}", "grpo.steps=1")
-    first = grpo_pipeline(PipelineParams(config=CONFIG, overrides=over, control=False))
+    # the first night's version is promoted by a person (tracking.promotion=approve): the
+    # pipeline pauses after its evidence, and the answer given through the API lands on it
+    t, out = _in_thread(
+        lambda: grpo_pipeline(
+            PipelineParams(
+                config=CONFIG, overrides=[*over, "tracking.promotion=approve"], control=False
+            )
+        )
+    )
+    paused = _paused_flow_run(t)
+    resume_flow_run(
+        paused.id,
+        run_input={"promote": True, "by": "Ana", "reason": "first night, read the samples"},
+    )
+    t.join(300)
+    first = out["result"]
     v1 = str(first["registered"]["version"])
-    promote(load_config(CONFIG, over), v1, reason="first night, by hand")  # as `grpo promote`
+    c = MlflowClient(uri, uri)
+    assert first["registered"]["champion"]
+    assert str(c.get_model_version_by_alias(name, "champion").version) == v1
+    tags = c.get_model_version(name, v1).tags
+    assert (tags["approval/decision"], tags["approval/by"]) == ("approved", "Ana")
+    assert tags["gate/decision"] in ("recommended", "not recommended")
+    parent = c.get_run(first["parent_run_id"]).data.tags
+    assert parent["promotion.decision"] == "promoted" and "approved by Ana" in (
+        parent["promotion.reason"])  # fmt: skip
     second = grpo_pipeline(PipelineParams(config=CONFIG, overrides=[*over, "grpo.steps=2"],
                                           control=False))  # fmt: skip
     v2 = str(second["registered"]["version"])
     assert v2 != v1
-    c = MlflowClient(uri, uri)
     pm = c.get_run(second["parent_run_id"]).data.metrics
     for s in ("synthetic", "synthetic_ood"):  # every set, on the same problems
         assert pm[f"grpo/eval/{s}/diff_vs_champion"] == pytest.approx(

@@ -38,7 +38,9 @@ WAITING = ("SCHEDULED", "PENDING")  # not yet picked up by a worker
 class Served:
     """A running `grpo serve` with its ports, state directory and output files."""
 
-    def __init__(self, tmp: Path, model_name: str) -> None:
+    def __init__(
+        self, tmp: Path, model_name: str, alert_url: str | None = None, database: str | None = None
+    ) -> None:
         cfg = small_config(
             tmp, f"tracking.registered_model={model_name}", "tracking.experiment=serve-e2e",
             f"deepspeed.master_port={free_port()}",
@@ -49,13 +51,20 @@ class Served:
         self.state, self.out = tmp / "state", tmp / "serve.out"
         env = {**os.environ, "PREFECT_WORKER_QUERY_SECONDS": "2"}
         env.pop("MLFLOW_TRACKING_URI", None)
+        env.pop("GRPO_ALERT_WEBHOOK_URL", None)
+        stale: list[str] = []
+        if alert_url:  # the nightly's "no completed run" alert after 15 s instead of 26 h
+            env["GRPO_ALERT_WEBHOOK_URL"] = alert_url
+            stale = ["--alert-stale-hours", str(15 / 3600)]
+        if database:
+            stale += ["--database", database]
         for k in ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
             env.pop(k, None)
         # started outside the project: the deployment must still find flows/pipeline.py
         self.proc = subprocess.Popen(
             [str(Path(sys.executable).with_name("grpo")), "serve", "--config", str(self.config),
              "--prefect-port", str(self.prefect), "--mlflow-port", str(self.mlflow),
-             "--state-dir", str(self.state), "--pool", "e2e-pool"],
+             "--state-dir", str(self.state), "--pool", "e2e-pool", *stale],
             stdout=self.out.open("w"), stderr=subprocess.STDOUT, env=env, cwd=tmp,
         )  # fmt: skip
         self.api = f"http://127.0.0.1:{self.prefect}/api"
@@ -94,12 +103,13 @@ class Served:
         kids = psutil.Process(self.proc.pid).children()
         return next(p for p in kids if word in " ".join(p.cmdline()))
 
-    def trigger(self, timeout: float) -> dict:
+    def trigger(self, timeout: float, overrides: list[str] | None = None) -> dict:
         """run_deployment through Prefect's client, in a process pointed at this server."""
+        params = {"params": {"overrides": overrides}} if overrides else None
         code = (
             "import json, sys\n"
             "from prefect.deployments import run_deployment\n"
-            f"fr = run_deployment({DEPLOYMENT!r}, timeout={timeout})\n"
+            f"fr = run_deployment({DEPLOYMENT!r}, timeout={timeout}, parameters={params!r})\n"
             "print(json.dumps({'id': str(fr.id), 'state': fr.state.type.value}))\n"
         )
         env = {**os.environ, **self.client_env()}
@@ -133,6 +143,62 @@ class Served:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
         return self.proc.wait(timeout=120)
+
+
+class Receiver:
+    """An HTTP server on loopback that records every POST it gets (the alerts' webhook)."""
+
+    def __init__(self) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        got = self.got = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                try:
+                    got.append({"path": self.path, "body": json.loads(body)})
+                except ValueError:  # recorded as text: the test fails naming it
+                    got.append({"path": self.path, "body": {"not_json": body.decode()}})
+                self.send_response(204)
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        # a path with a token in it, as a chat service's webhook has: never printed or logged
+        self.token = "tok-" + base64.b32encode(os.urandom(10)).decode().lower()
+        self.url = f"http://127.0.0.1:{self.server.server_port}/hooks/{self.token}"
+
+    def wait_for(self, pred, seconds: float, what: str) -> dict:  # noqa: ANN001
+        deadline = time.time() + seconds
+        while time.time() < deadline:
+            if hits := [g for g in self.got if pred(g["body"])]:
+                return hits[0]
+            time.sleep(0.5)
+        raise AssertionError(f"{what} within {seconds:.0f}s; received: {self.got}")
+
+
+def _check_postgres(s: Served, mlflow_run: str, flow_run: str) -> None:
+    import psycopg
+
+    sock = s.state / "postgres"
+    with pytest.raises(psycopg.OperationalError, match="password"):
+        psycopg.connect(host=str(sock), user="postgres", dbname="mlflow")
+    pw = s.creds["postgres_password"]
+    with psycopg.connect(host=str(sock), user="postgres", dbname="mlflow", password=pw) as con:
+        got = con.execute("SELECT status FROM runs WHERE run_uuid = %s", (mlflow_run,))
+        assert got.fetchone() == ("FINISHED",)
+        (n,) = con.execute("SELECT count(*) FROM metrics m JOIN runs r USING (run_uuid) "
+                           "WHERE r.name LIKE %s", ("%/grpo",)).fetchone()  # fmt: skip
+        assert n > 0
+    with psycopg.connect(host=str(sock), user="postgres", dbname="prefect", password=pw) as con:
+        (state,) = con.execute("SELECT state_type FROM flow_run WHERE id = %s",
+                               (flow_run,)).fetchone()  # fmt: skip
+        assert state == "COMPLETED"
 
 
 def _status(method: str, url: str, body: object = None, headers: dict | None = None) -> int:
@@ -203,9 +269,12 @@ def test_a_triggered_deployment_runs_on_the_worker_and_lands_in_the_mlflow_serve
 ):
     from mlflow import MlflowClient
 
-    s = Served(tmp_path, "serve-e2e")
+    hook = Receiver()
+    s = Served(tmp_path, "serve-e2e", alert_url=hook.url, database="local")
     try:
         s.wait_ready()
+        out = s.out.read_text()
+        assert f"alerts to http://127.0.0.1:{hook.server.server_port}/..." in out
         assert credentials_path(s.state).stat().st_mode & 0o077 == 0
         _replay_attacks(s)
         # a second serve on the same state directory is refused and leaves the first's logs
@@ -221,6 +290,18 @@ def test_a_triggered_deployment_runs_on_the_worker_and_lands_in_the_mlflow_serve
         assert worker_log.stat().st_size >= before > 0
         for k, v in s.client_env().items():
             monkeypatch.setenv(k, v)
+        # a run of the deployment that fails (a bad parameter): the receiver is told, naming it
+        bad = s.trigger(timeout=0, overrides=["grpo.steps=0"])
+        assert s.wait_state(bad["id"], (*WAITING, "RUNNING"), 180, "the bad run ended") == "FAILED"
+        note = hook.wait_for(lambda b: b.get("flow_run_id") == bad["id"], 60, "no failure alert")
+        assert note["path"] == f"/hooks/{hook.token}"
+        assert note["body"]["alert"] == "flow run failed" and note["body"]["state"] == "Failed"
+        assert "grpo.steps" in note["body"]["message"] and DEPLOYMENT in note["body"]["deployment"]
+        assert note["body"]["url"].endswith(f"/runs/flow-run/{bad['id']}")
+        print("failure alert as received:", json.dumps(note["body"], indent=1))
+        # and, no run having completed for 15 s, the nightly's staleness alert
+        hook.wait_for(lambda b: b.get("alert", "").startswith("no completed run"), 60,
+                      "no staleness alert")  # fmt: skip
         t0 = time.time()
         run = s.trigger(timeout=0)  # returns at once; the worker must pick the run up
         s.wait_state(run["id"], WAITING, 120, "the worker did not start the run")
@@ -258,7 +339,10 @@ def test_a_triggered_deployment_runs_on_the_worker_and_lands_in_the_mlflow_serve
         mv = c.get_model_version_by_alias("serve-e2e", "challenger")
         assert mv.run_id == grpo_run and mv.tags["gate/decision"]
         # serve's store is its own: the project's plain mlflow.db was not touched
-        assert (s.state / "mlflow-serve.db").exists() and not (s.state / "mlflow.db").exists()
+        # both stores are in the PostgreSQL serve started (no SQLite file), which asks for the
+        # password it was given and holds what the servers showed
+        assert not list(s.state.glob("*.db")) and "stores: PostgreSQL" in s.out.read_text()
+        _check_postgres(s, parent.info.run_id, run["id"])
 
         # the CLI finds the credentials by itself (GRPO_SERVE_STATE) for promote and evaluate
         cli_env = {k: v for k, v in os.environ.items() if not k.endswith(("USERNAME", "PASSWORD"))}
@@ -278,13 +362,14 @@ def test_a_triggered_deployment_runs_on_the_worker_and_lands_in_the_mlflow_serve
 
         # no secret in MLflow params or tags, Prefect parameters, logs or command lines
         secrets = [s.creds["mlflow_password"], s.creds["prefect_password"],
-                   s.creds["flask_secret_key"]]  # fmt: skip
+                   s.creds["flask_secret_key"], s.creds["postgres_password"],
+                   hook.token]  # fmt: skip
         recorded = [json.dumps(r.data.params) + json.dumps(r.data.tags) for r in parents + kids]
         recorded += [json.dumps(mv.tags), json.dumps(s.api_post("/flow_runs/filter", {}))]
         for f in s.state.rglob("*"):
             if f.is_file() and f != credentials_path(s.state) and f.suffix != ".db":
                 recorded.append(f.read_text(errors="replace"))
-        recorded += sorted(cmdlines)
+        recorded += [*sorted(cmdlines), s.out.read_text()]
         assert not [x for x in secrets for r in recorded if x in r]
 
         below = s.children()

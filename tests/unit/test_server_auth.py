@@ -17,7 +17,7 @@ def test_credentials_are_private_random_and_stable(tmp_path):
     path = sa.credentials_path(tmp_path)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
-    assert len(set(a.secrets())) == 3 and min(map(len, a.secrets())) >= 32
+    assert len(set(a.secrets())) == 4 and min(map(len, a.secrets())) >= 32
     # a restart on other ports keeps the secrets (MLflow's admin password is set only once)
     b = sa.create_or_load(tmp_path, "http://127.0.0.1:5001", "http://127.0.0.1:4201/api")
     assert b.secrets() == a.secrets() and b.mlflow_uri == "http://127.0.0.1:5001"
