@@ -1,14 +1,15 @@
-"""Alerts on the scheduled deployment, declared here and created by `grpo serve`.
+"""Automations on the scheduled deployment, declared here and created by `grpo serve`.
 
-Two Prefect automations call one Prefect webhook block (the URL comes from the environment,
-GRPO_ALERT_WEBHOOK_URL, as it may hold a token; Prefect keeps it encrypted in the block):
+A flow run whose heartbeats stop (its worker or machine died) is set Crashed. With
+GRPO_ALERT_WEBHOOK_URL set, two more call one Prefect webhook block (the URL comes from the
+environment, as it may hold a token; Prefect keeps it encrypted in the block):
 
 - a flow run of the deployment ends Failed or Crashed;
 - no flow run of the deployment ended Completed for `stale_hours` (a nightly that stopped
   running, or keeps failing, or hangs).
 
-Run as `python -m flows.alerts DEPLOYMENT STALE_HOURS` in a process pointed at the server
-(serve does); creating them again replaces the earlier ones of the same deployment.
+Run as `python -m flows.alerts DEPLOYMENT STALE_HOURS CRASHED_AFTER_S` in a process pointed at
+the server (serve does); creating them again replaces the earlier ones of the same deployment.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from urllib.parse import urlsplit
 URL_VAR = "GRPO_ALERT_WEBHOOK_URL"
 BLOCK = "grpo-alerts"
 STALE_HOURS = 26.0  # a nightly run plus two hours of slack
+CRASHED_AFTER_S = 600  # three missed heartbeats at Prefect's default 180 s, and a minute
 
 
 def names(deployment: str, stale_hours: float) -> tuple[str, str]:
@@ -49,21 +51,53 @@ def payloads(deployment: str, stale_hours: float) -> tuple[str, str]:
     return failed, stale
 
 
-def install(deployment: str, url: str, stale_hours: float = STALE_HOURS) -> list[str]:
-    """The webhook block and both automations on the current Prefect server; returns the
-    automations' names."""
+def install(
+    deployment: str, url: str | None, stale_hours: float = STALE_HOURS,
+    crashed_after_s: int = CRASHED_AFTER_S,
+) -> list[str]:  # fmt: skip
+    """Crash detection, and with a URL the webhook block and both alerts, on the current
+    Prefect server; returns the automations' names."""
     from prefect import get_client
-    from prefect.automations import Automation, CallWebhook, EventTrigger, Posture
-    from prefect.blocks.webhook import Webhook
+    from prefect.automations import Automation, ChangeFlowRunState, EventTrigger, Posture
+    from prefect.client.schemas.objects import StateType
 
-    # a team's receiver often lives on its own network: the operator chose the URL
-    block_id = Webhook(method="POST", url=url, allow_private_urls=True).save(BLOCK, overwrite=True)
     with get_client(sync_client=True) as c:
         dep = c.read_deployment_by_name(deployment)
         for old in c.read_automations():  # this deployment's, from an earlier serve
             if old.name.startswith(f"{deployment}: "):
                 c.delete_automation(old.id)
     related = {"prefect.resource.id": f"prefect.deployment.{dep.id}"}
+    # a flow run's process sends a heartbeat every PREFECT_FLOWS_HEARTBEAT_FREQUENCY seconds
+    # (180); a run whose worker or machine died sends none and no final state either: without
+    # this it would stay Running forever (Prefect's documented zombie-run automation)
+    ended = {f"prefect.flow-run.{s}" for s in ("Completed", "Failed", "Cancelled", "Crashed")}
+    crashed = f"{deployment}: a run whose heartbeats stopped is Crashed"
+    Automation(
+        name=crashed,
+        description="declared in flows/alerts.py; created by grpo serve",
+        trigger=EventTrigger(
+            after={"prefect.flow-run.heartbeat"}, expect={"prefect.flow-run.heartbeat", *ended},
+            match={"prefect.resource.id": "prefect.flow-run.*"}, match_related=related,
+            for_each={"prefect.resource.id"}, posture=Posture.Proactive, threshold=1,
+            within=timedelta(seconds=crashed_after_s),
+        ),
+        actions=[ChangeFlowRunState(
+            state=StateType.CRASHED,
+            message=f"no heartbeat for {crashed_after_s} s: the process running this flow run "
+            "is gone (its worker or its machine died); grpo serve ends its MLflow runs KILLED",
+        )],
+    ).create()  # fmt: skip
+    if url is None:
+        return [crashed]
+    return [crashed, *_alerts(deployment, url, stale_hours, related)]
+
+
+def _alerts(deployment: str, url: str, stale_hours: float, related: dict[str, str]) -> list[str]:
+    from prefect.automations import Automation, CallWebhook, EventTrigger, Posture
+    from prefect.blocks.webhook import Webhook
+
+    # a team's receiver often lives on its own network: the operator chose the URL
+    block_id = Webhook(method="POST", url=url, allow_private_urls=True).save(BLOCK, overwrite=True)
     on_failure, on_stale = names(deployment, stale_hours)
     failed_body, stale_body = payloads(deployment, stale_hours)
     Automation(
@@ -94,5 +128,5 @@ def where(url: str) -> str:
 
 
 if __name__ == "__main__":
-    made = install(sys.argv[1], os.environ[URL_VAR], float(sys.argv[2]))
+    made = install(sys.argv[1], os.environ.get(URL_VAR), float(sys.argv[2]), int(sys.argv[3]))
     print("; ".join(made))

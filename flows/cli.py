@@ -151,13 +151,13 @@ def cmd_serve(a: argparse.Namespace) -> None:
 
     serve(a.config, prefect_port=a.prefect_port, mlflow_port=a.mlflow_port,
           state_dir=a.state_dir, pool=a.pool, stale_hours=a.alert_stale_hours,
-          database=a.database)  # fmt: skip
+          database=a.database, crashed_after_s=a.crashed_after_s)  # fmt: skip
 
 
 def cmd_worker(a: argparse.Namespace) -> None:
     from flows.serve import worker
 
-    worker(a.pool, a.name)
+    worker(a.pool, a.name, a.limit)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -217,10 +217,16 @@ def main(argv: list[str] | None = None) -> None:
                     help="the servers' stores in PostgreSQL: `local` starts one in the state "
                     "directory (from a wheel); postgresql://user@host[:port] is a team's server "
                     "(password in PGPASSWORD or ~/.pgpass). Default: SQLite files")  # fmt: skip
+    sv.add_argument("--crashed-after-s", type=int, default=600,
+                    help="a flow run that sent no heartbeat for this long (its worker or machine "
+                    "died) is set Crashed and its MLflow runs KILLED; keep it above 3 x "
+                    "PREFECT_FLOWS_HEARTBEAT_FREQUENCY (180 s)")  # fmt: skip
     wk = add("worker", cmd_worker, "another worker for a running serve's work pool (this "
              "machine or another)")  # fmt: skip
     wk.add_argument("--pool", default="grpo-process-pool", help="the work pool to serve")
     wk.add_argument("--name", help="the worker's name in the Prefect UI (default: generated)")
+    wk.add_argument("--limit", type=int, default=1,
+                    help="flow runs at once here (a pipeline uses every core)")  # fmt: skip
     sv.add_argument("--alert-stale-hours", type=float, default=26.0,
                     help="with GRPO_ALERT_WEBHOOK_URL set: alert when the nightly deployment has "
                     "had no completed run for this long")  # fmt: skip

@@ -27,12 +27,14 @@ import psutil
 
 from flows import alerts, postgres
 from flows.postgres import Stores
+from flows.reaper import Reaper
 from reward_fns.errors import UserError
 from tasks import server_auth
 
 PROJECT = Path(__file__).resolve().parents[1]
 POOL = "grpo-process-pool"
 DEPLOYMENT = "nightly-tiny"  # the deployment in prefect.yaml
+REAP_EVERY_S = 10  # how often serve looks for crashed flow runs whose MLflow runs still run
 
 
 def _bin(name: str) -> str:
@@ -111,6 +113,7 @@ def serve(
     pool: str = POOL,
     stale_hours: float = alerts.STALE_HOURS,
     database: str | None = None,
+    crashed_after_s: int = alerts.CRASHED_AFTER_S,
 ) -> None:
     """Start everything, deploy `config` as the scheduled pipeline, watch the children.
 
@@ -202,15 +205,22 @@ def serve(
                              "overrides": [], "control": True}}  # fmt: skip
         _run([_bin("prefect"), "--no-prompt", "deploy", "--name", DEPLOYMENT, "--pool", pool,
               "--params", json.dumps(params)], env, "deploying prefect.yaml")  # fmt: skip
-        if alert_url:  # to this one process only: the URL may hold a token
-            _run([sys.executable, "-m", "flows.alerts", f"grpo-pipeline/{DEPLOYMENT}",
-                  str(stale_hours)], {**env, alerts.URL_VAR: alert_url},
-                 "creating the alerts")  # fmt: skip
+        # the URL goes to this one process only: it may hold a token
+        _run([sys.executable, "-m", "flows.alerts", f"grpo-pipeline/{DEPLOYMENT}",
+              str(stale_hours), str(crashed_after_s)],
+             {**env, **({alerts.URL_VAR: alert_url} if alert_url else {})},
+             "creating the automations")  # fmt: skip
+        if alert_url:
             said = (f"alerts to {alerts.where(alert_url)}: a failed or crashed run, no "
                     f"completed run for {stale_hours:g} h")  # fmt: skip
         else:
             said = f"alerts off (set {alerts.URL_VAR} to a webhook URL to have them)"
-        start([_bin("prefect"), "worker", "start", "--pool", pool], "worker")
+        said += f"; a run with no heartbeat for {crashed_after_s} s is set Crashed"
+        reaper = Reaper(api_url, tracking, creds.prefect_auth_string,
+                        f"{server_auth.USERNAME}:{creds.mlflow_password}")  # fmt: skip
+        # one flow run at a time on serve's machine (a pipeline uses every core); more
+        # pipelines at once need more workers (`grpo worker`, on this machine or others)
+        start([_bin("prefect"), "worker", "start", "--pool", pool, "--limit", "1"], "worker")
         print(f"Prefect UI: http://{host}:{prefect_port}")
         print(f"MLflow UI:  http://{host}:{mlflow_port}")
         print(f"deployment grpo-pipeline/{DEPLOYMENT} runs {config or 'the default config'}")
@@ -218,19 +228,34 @@ def serve(
         print(f"stores: {stores.describe}")
         print(f"credentials (user {server_auth.USERNAME}): {server_auth.credentials_path(state)}")
         print(f"logs in {logs}; Ctrl-C stops everything", flush=True)
+        last_sweep = 0.0
         while stop["signal"] is None:
             for name, p in procs.items():
                 if p.poll() is not None:
                     raise ServeError(
                         f"the {name} process exited with {p.returncode}; see {logs / name}.log"
                     )
+            if time.time() - last_sweep > REAP_EVERY_S:
+                last_sweep = time.time()
+                _sweep(reaper)
             time.sleep(1)
     finally:
         _stop_all(procs)
         stores.stop()
 
 
-def worker(pool: str = POOL, name: str | None = None) -> None:
+def _sweep(reaper: Reaper) -> None:
+    """The MLflow runs of crashed flow runs, ended; a server that does not answer now is
+    said in one line and tried again at the next sweep."""
+    try:
+        if ended := reaper.sweep():
+            print(f"ended KILLED {len(ended)} MLflow run(s) of crashed flow runs: "
+                  f"{', '.join(ended)}", flush=True)  # fmt: skip
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        print(f"could not end the MLflow runs of crashed flow runs now: {e}", flush=True)
+
+
+def worker(pool: str = POOL, name: str | None = None, limit: int = 1) -> None:
     """Another worker for a running serve's pool, on this machine or another: checks that the
     Prefect API (PREFECT_API_URL, credentials as for any client) answers, then becomes
     `prefect worker start`. Its flow runs need the project at the same path as serve's (the
@@ -259,7 +284,8 @@ def worker(pool: str = POOL, name: str | None = None) -> None:
         raise ServeError(f"grpo worker: {api} refused the credentials ({e.code})") from None
     except (urllib.error.URLError, OSError) as e:
         raise ServeError(f"grpo worker: {api} does not answer ({e})") from None
-    cmd = [_bin("prefect"), "worker", "start", "--pool", pool, *(["--name", name] if name else [])]
+    cmd = [_bin("prefect"), "worker", "start", "--pool", pool, "--limit", str(limit),
+           *(["--name", name] if name else [])]  # fmt: skip
     os.execv(cmd[0], cmd)
 
 

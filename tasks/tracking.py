@@ -416,15 +416,22 @@ EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 OWNER_TAGS = ("pipeline.host", "pipeline.pid", "pipeline.pid_started")
 
 
+FLOW_RUN_TAG = "prefect.flow_run_id"
+
+
 def owner_tags() -> dict[str, str]:
     """This process as the owner of a RUNNING parent run: host, pid and the pid's start time
     (a pid alone may have been reused by the time anyone looks)."""
     import socket
 
     import psutil
+    from prefect.runtime import flow_run
 
     me = psutil.Process()
-    return dict(zip(OWNER_TAGS, (socket.gethostname(), str(me.pid), f"{me.create_time():.3f}")))
+    tags = dict(zip(OWNER_TAGS, (socket.gethostname(), str(me.pid), f"{me.create_time():.3f}")))
+    if flow_run.id:  # grpo serve ends this run KILLED when that flow run is marked Crashed
+        tags[FLOW_RUN_TAG] = str(flow_run.id)
+    return tags
 
 
 def _owner_alive(tags: dict[str, str]) -> bool:

