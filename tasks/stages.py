@@ -195,7 +195,7 @@ def train_policy(
     from grpo.launch.run_dir import checkpoint_step
     from grpo.launch.runner import run_grpo
     from grpo.models.prompts import SYSTEM_PROMPT
-    from tasks.serving import log_policy
+    from tasks.serving import log_checkpoint_models, log_policy
 
     log = get_run_logger()
     out = run_dir / "grpo"
@@ -222,11 +222,28 @@ def train_policy(
         samples = tracking.read_jsonl(out / "completions.jsonl")
         if samples:
             c.log_table(run_id, data=pd.DataFrame(samples), artifact_file="completions.json")
-        model_uri = log_policy(run_id, out / "policy", {
+        model_config = {
             "chat_template": cfg.model.chat_template,
             "system_prompt": cfg.model.system_prompt or SYSTEM_PROMPT,
             "max_new_tokens": cfg.eval.max_new_tokens or cfg.grpo.max_completion_length,
-        })  # fmt: skip
+        }
+        model_uri = log_policy(run_id, out / "policy", model_config, step=cfg.grpo.steps)
+        inrun = f"{cfg.eval.sets[0]}[:{summary.get('inrun_subset_size', 0)}]" if (
+            cfg.eval.sets) else "none"  # fmt: skip
+        checkpoints = log_checkpoint_models(
+            c,
+            run_id,
+            out,
+            rows,
+            model_config,
+            final=(cfg.grpo.steps, model_uri),
+            dataset=(inrun, cfg.digest("eval", "data")),
+        )
+        # the registered model is the last step's: choosing the best checkpoint on these
+        # problems would bias the gate's paired test on the same held-out set, and favour
+        # GRPO over its control, which has no such choice (README, Promotion)
+        c.set_tag(run_id, "checkpoint_models", ", ".join(
+            f"step {m['step']}: {m['model_uri']}" for m in checkpoints))  # fmt: skip
         if (out / ADAPTER_DIR).is_dir():  # LoRA: the model above is merged; keep the adapter
             c.log_artifacts(run_id, str(out / ADAPTER_DIR), ADAPTER_DIR)
         for k, v in summary.get("parameters", {}).items():
@@ -349,6 +366,12 @@ def register_model(
         champion_version=champ["version"],
         description=describe(summary, ev["markdown"]),
     )  # fmt: skip
+    # which checkpoint became the version, and why not the best one (tasks.serving)
+    c = tracking.client(cfg)
+    c.set_model_version_tag(reg["name"], reg["version"], "checkpoint/step", str(g.steps))
+    c.set_model_version_tag(reg["name"], reg["version"], "checkpoint/selection",
+                            "the last step: a choice by accuracy on the held-out problems "
+                            "would bias the gate's paired test on them")  # fmt: skip
     # the decision on the flow run too, where a scheduled run's user looks first
     from prefect.artifacts import create_markdown_artifact
 

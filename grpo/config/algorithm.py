@@ -129,6 +129,12 @@ class GRPOConfig(Strict):
     )
     checkpoint_every: int = Field(50, gt=0)
     keep_checkpoints: int = Field(2, ge=1)
+    checkpoint_models: bool = Field(
+        True,
+        description="a checkpoint step that is also evaluated in-run (eval_every) writes the "
+        "policy as a model directory too, logged to MLflow as a model of the run with its step "
+        "and its in-run accuracy (as many kept as keep_checkpoints)",
+    )
     log_completions_every: int = Field(25, gt=0)
     eval_every: int = Field(50, ge=0, description="greedy held-out accuracy every K steps; 0 off")
     eval_limit: int = Field(300, gt=0, description="held-out problems for the in-run curve")

@@ -112,9 +112,15 @@ class Trainer:
             m = self.step(step)
             if g.eval_every and (step + 1) % g.eval_every == 0:
                 m["eval/inrun_subset_accuracy"] = self.heldout_accuracy()
+            # a checkpoint with an in-run accuracy becomes a model of the run (not the last:
+            # that is policy/, logged as the run's model)
+            evaluated = bool(self.eval_rows) and "eval/inrun_subset_accuracy" in m
             self.files.log_metrics(m)
             if (step + 1) % g.checkpoint_every == 0 or step + 1 == g.steps:
                 self.files.save_checkpoint(self.engine, step + 1)
+                if evaluated and g.checkpoint_models and step + 1 < g.steps:
+                    self.files.save_snapshot(self.engine, self.tok, step + 1,
+                                             self.cfg.deepspeed.zero_stage)  # fmt: skip
             report(step + 1, g.steps, False)
             bar.update(1)
             bar.set_postfix(reward=f"{m['reward']:.3f}", kl=f"{m.get('kl', 0):.4f}", refresh=False)

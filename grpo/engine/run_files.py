@@ -1,5 +1,6 @@
 """The files a GRPO run writes as it goes: metrics.jsonl (one line per step), completions.jsonl
-(samples every K steps), and checkpoints/ (engine state plus step and RNG states).
+(samples every K steps), checkpoints/ (engine state plus step and RNG states) and snapshots/
+(the evaluated checkpoints as model directories).
 
 Only rank 0 writes the JSONL files. On resume, both files keep only the steps up to the
 checkpoint (a line torn by a kill is dropped), rewritten atomically, so a resumed run has exactly
@@ -15,6 +16,8 @@ from typing import Any
 
 from grpo.engine import checkpoint
 from grpo.engine.scoring import Scores
+
+SNAPSHOTS = "snapshots"  # evaluated checkpoints as model directories (grpo.checkpoint_models)
 
 
 class RunFiles:
@@ -63,6 +66,20 @@ class RunFiles:
     def save_checkpoint(self, engine: Any, step: int) -> None:
         client = {"step": step, "rng": checkpoint.rng_state()}
         checkpoint.save(engine, self.ckpt_root, step, client, self.rank, self.keep)
+
+    def save_snapshot(self, engine: Any, tok: Any, step: int, zero_stage: int) -> None:
+        """The policy at `step` as a model directory (snapshots/step-NNNNNN), for MLflow to log
+        as a model of the run; the oldest beyond keep_checkpoints are removed, as checkpoints
+        are."""
+        import shutil
+
+        from grpo.engine.deepspeed_setup import save_policy
+
+        root = self.out / SNAPSHOTS
+        save_policy(engine, tok, root / f"step-{step:06d}", self.rank, zero_stage)
+        if self.rank == 0:
+            for old in sorted(root.glob("step-*"))[: -self.keep]:
+                shutil.rmtree(old)
 
     def close(self) -> None:
         for f in (self._metrics, self._samples):

@@ -33,6 +33,7 @@ def _overrides(tmp: Path, *extra: str) -> list[str]:
         "grpo.eval_every=1",
         "grpo.steps=3",
         "grpo.log_completions_every=1",
+        "grpo.checkpoint_every=1",
         "tracking.registered_model=tiny-e2e",
         *extra,
     ]
@@ -127,6 +128,38 @@ def test_end_to_end_logs_registers_and_loads(store):
     assert [m.step for m in reward] == [1, 2, 3]
     assert len(c.get_metric_history(grpo_run, "eval/inrun_subset_accuracy")) == 4  # steps 0..3
     assert by_name["grpo"].data.tags["eval.inrun_subset_size"] == "24"  # data.num_heldout
+    # the evaluated checkpoints are models of the run, each at its step with its in-run
+    # accuracy linked to it (the Models tab); kept as checkpoints are (2), the last is the run's
+    # own model, logged once
+    import json as _json
+
+    import mlflow
+
+    rows = {
+        r["step"]: r
+        for r in map(
+            _json.loads,
+            (tmp / "runs")
+            .glob(f"**/{parent.info.run_id}/grpo/metrics.jsonl")
+            .__next__()
+            .read_text()
+            .splitlines(),
+        )
+    }
+    step_of = {o.model_id: o.step for o in c.get_run(grpo_run).outputs.model_outputs}
+    models = mlflow.search_logged_models(
+        experiment_ids=[parent.info.experiment_id], output_format="list",
+        filter_string=f"source_run_id = '{grpo_run}'")  # fmt: skip
+    models.sort(key=lambda m: step_of[m.model_id])
+    assert [(m.name, step_of[m.model_id]) for m in models] == [
+        ("checkpoint-1", 1), ("checkpoint-2", 2), ("model", 3)]  # fmt: skip
+    for m in models:
+        step = step_of[m.model_id]
+        (linked,) = [x for x in m.metrics if x.key == "checkpoint/inrun_subset_accuracy"]
+        assert linked.value == rows[step]["eval/inrun_subset_accuracy"] and linked.step == step
+        assert linked.dataset_name == "synthetic[:24]"
+    snaps = sorted(p.name for p in (tmp / "runs").glob(f"**/{parent.info.run_id}/grpo/snapshots/*"))
+    assert snaps == ["step-000001", "step-000002"]
     # the machine's load in every stage run, however short (system metrics, per host)
     import socket
 
@@ -165,10 +198,9 @@ def test_end_to_end_logs_registers_and_loads(store):
     grpo_files = files(grpo_run)
     assert "plots/curves.png" in grpo_files
     assert "completions.json" in grpo_files
-    # the policy is an MLflow model logged by the run (tasks/serving.py), not loose files
-    logged = c.search_logged_models([parent.info.experiment_id],
-                                    filter_string=f"source_run_id = '{grpo_run}'")  # fmt: skip
-    assert len(logged) == 1 and logged[0].name == "model"
+    # the policy is an MLflow model logged by the run (tasks/serving.py), not loose files (its
+    # checkpoints are models too, above)
+    assert not [f for f in grpo_files if f.startswith("policy/")]
     assert "config/deepspeed_config.json" in grpo_files
     val_files = files(by_name["validate"].info.run_id)
     assert "validation/data_docs/index.html" in val_files
@@ -196,6 +228,8 @@ def test_end_to_end_logs_registers_and_loads(store):
     decided = "promoted" if result["registered"]["champion"] else "not promoted"
     assert parent.data.tags["promotion.version"] == str(mv.version)
     assert parent.data.tags["promotion.decision"] == decided == mv.tags["gate/decision"]
+    assert mv.tags["checkpoint/step"] == "3" and "last step" in mv.tags["checkpoint/selection"]
+    assert mv.source == f"models:/{models[-1].model_id}"  # the last step's, not a checkpoint
     assert parent.data.tags["promotion.reason"] == result["registered"]["reason"]
     note = parent.data.tags["mlflow.note.content"]
     assert note.startswith(f"**tiny-e2e version {mv.version}: {decided}**")

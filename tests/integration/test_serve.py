@@ -514,6 +514,10 @@ def test_a_triggered_deployment_runs_on_the_worker_and_lands_in_the_mlflow_serve
     assert rc == 0, s.out.read_text()[-2000:]
     time.sleep(1)
     assert not _alive(below), _alive(below)
+    # nor its PostgreSQL, restarted under it or not
+    pg = [p.pid for p in psutil.process_iter(["cmdline"])
+          if f"-D {s.state / 'postgres'}" in " ".join(p.info["cmdline"] or [])]  # fmt: skip
+    assert not pg, pg
     # after serve, a plain command in the same state directory resolves its own sqlite store,
     # not serve's (a plain pipeline's store: tests/integration/test_install.py)
     env = {k: v for k, v in os.environ.items() if k not in s.client_env()}
