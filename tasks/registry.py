@@ -40,6 +40,13 @@ def register(
     mv = existing[0] if existing else c.create_model_version(
         name, source=model_uri, run_id=run_id, model_id=logged
     )  # fmt: skip
+    if logged and not existing:
+        # the logged model names its version, as mlflow.register_model does (the client call
+        # above does not): the experiment's Models tab then shows where it was registered
+        import json
+
+        c.set_logged_model_tags(logged, {"mlflow.modelVersions": json.dumps(
+            [{"name": name, "version": int(mv.version)}])})  # fmt: skip
     tags = {safe_key(k): tidy(v) for k, v in metrics.items()}
     tags.update(evidence_tags(vs_reference, vs_champion))
     passed, reason = decide(

@@ -230,6 +230,10 @@ def test_end_to_end_logs_registers_and_loads(store):
     assert parent.data.tags["promotion.decision"] == decided == mv.tags["gate/decision"]
     assert mv.tags["checkpoint/step"] == "3" and "last step" in mv.tags["checkpoint/selection"]
     assert mv.source == f"models:/{models[-1].model_id}"  # the last step's, not a checkpoint
+    # and the Models tab shows it registered: the logged model names its version
+    assert json.loads(models[-1].tags["mlflow.modelVersions"]) == [
+        {"name": "tiny-e2e", "version": int(mv.version)}
+    ]
     assert parent.data.tags["promotion.reason"] == result["registered"]["reason"]
     note = parent.data.tags["mlflow.note.content"]
     assert note.startswith(f"**tiny-e2e version {mv.version}: {decided}**")
