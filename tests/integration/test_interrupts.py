@@ -75,7 +75,9 @@ def test_stopping_grpo_train_stops_its_ranks_at_once(tmp_path, nproc, sig):
     proc = _start(["train", "--out", str(out), "--nproc", str(nproc),
                    *_sets(f"output_dir={tmp_path}", "grpo.steps=100000",
                           "grpo.checkpoint_every=1")], cwd=tmp_path)  # fmt: skip
-    _wait_for_steps(proc, out / "metrics.jsonl", tmp_path)
+    # until a checkpoint is whole (its `latest` pointer is written last): a stop between the
+    # first step's metrics line and its checkpoint leaves nothing to resume from (CI saw it)
+    _wait_for_steps(proc, out / "checkpoints" / "latest", tmp_path)
     secs, alive, _, err = _stop(proc, sig, group=False)
     assert secs < STOP_S and not alive, (secs, alive)
     assert proc.returncode == 128 + sig
