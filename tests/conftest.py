@@ -49,9 +49,10 @@ def pytest_sessionfinish(session, exitstatus) -> None:  # noqa: ANN001, ARG001
 
 # the slowest modules first (their tests' --durations summed), so that two workers (-n 2 --dist
 # loadfile) do not end with one of them alone on a long module
-SLOW_FIRST = ("test_failures", "test_serve", "test_pipeline", "test_cli_ranks",
-              "test_real_model_path", "test_benchmark_scripts", "test_install", "test_smollm2",
-              "test_ranks", "test_resume", "test_faults")  # fmt: skip
+SLOW_FIRST = ("test_serve", "test_serve_crash", "test_interrupts", "test_install",
+              "test_pipeline", "test_smollm2", "test_cli_ranks", "test_failures", "test_ranks",
+              "test_benchmark_scripts", "test_resume", "test_real_model_path",
+              "test_faults")  # fmt: skip
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:  # noqa: ANN001, ARG001

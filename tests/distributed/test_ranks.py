@@ -15,37 +15,53 @@ SCRIPT = Path(__file__).parent / "scripts" / "update_once.py"
 LR = 0.01  # every run's learning rate here
 
 
-def _run(
-    tmp: Path, name: str, nproc: int, stage: int, *extra: str, weights: str = "policy/model"
-) -> dict[str, torch.Tensor]:
-    # 8 completions = 2 prompts x 4: one prompt per rank with 2 ranks; micro-batch of 2
-    # completions so that each rank accumulates 2 micro-batches
-    cfg = small_config(
-        tmp, "grpo.prompts_per_step=2", "grpo.num_generations=4", "grpo.micro_batch_size=2",
-        f"grpo.lr={LR}", "grpo.warmup_steps=0", f"deepspeed.zero_stage={stage}",
-        f"deepspeed.nproc={nproc}", *extra,
-    )  # fmt: skip
-    base = base_model_dir(cfg)
-    cfg_path = write_config(cfg, tmp / name / "config.yaml")
-    plan = launches(cfg, [str(SCRIPT), str(cfg_path), str(base), str(tmp / name)])
+def _runs(
+    tmp: Path, nproc: int, variants: dict[str, tuple[int, tuple[str, ...]]]
+) -> dict[str, Path]:
+    """One launch of `nproc` ranks that makes one update per variant (name: ZeRO stage, config
+    overrides), each from its base model; returns each variant's output directory."""
+    argv, cfg = [], None
+    for name, (stage, extra) in variants.items():
+        cfg = small_config(
+            tmp, "grpo.prompts_per_step=2", "grpo.num_generations=4", "grpo.micro_batch_size=2",
+            f"grpo.lr={LR}", "grpo.warmup_steps=0", f"deepspeed.zero_stage={stage}",
+            f"deepspeed.nproc={nproc}", *extra,
+        )  # fmt: skip
+        argv += [str(write_config(cfg, tmp / name / "config.yaml")), str(base_model_dir(cfg))]
+        argv.append(str(tmp / name))
+    assert cfg is not None
+    plan = launches(cfg, [str(SCRIPT), *argv])
     run_launches(plan, log=lambda line: None)
     if nproc > 1:
-        # DeepSpeed's CPU all-reduce buffers (69 MB a rank in /dev/shm) are gone after the run
         port = plan[0].env["MASTER_PORT"]
         assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
-    return load_file(tmp / name / f"{weights}.safetensors")
+    return {name: tmp / name for name in variants}
 
 
-# every row in its own length bucket and the LM head in chunks of 2 positions (104-token
-# vocabulary: 416 bytes a position), so that each rank's micro-batch runs several forwards and
-# head calls before its one backward: ZeRO-2 packs gradients in the order their hooks fire,
-# which must not depend on how many buckets a rank ran (ZeRO-3 turns both off)
 SPLIT_FORWARD = ("grpo.bucket_tokens=8", "grpo.logits_budget_mib=0.001")
 
 
-def test_two_ranks_match_one_rank_for_zero2_and_zero3(tmp_path):
+LORA = ("model.lora.enabled=true", "model.lora.r=4", "model.lora.alpha=8")
+
+
+@pytest.fixture(scope="module")
+def updates(tmp_path_factory) -> dict[str, Path]:
+    """Every variant's update: one launch of one rank, one of two ranks (ZeRO-3 last, so
+    that nothing it leaves in the process can touch the others)."""
+    tmp = tmp_path_factory.mktemp("ranks")
+    one = {"one": (0, SPLIT_FORWARD), "lora-one": (0, LORA)}
+    two = {"lora-two-z0": (0, LORA), "lora-two-z2": (2, LORA), "two-z2": (2, SPLIT_FORWARD),
+           "two-z3": (3, SPLIT_FORWARD)}  # fmt: skip
+    return {**_runs(tmp, 1, one), **_runs(tmp, 2, two)}
+
+
+def _weights(out: Path, name: str = "policy/model") -> dict[str, torch.Tensor]:
+    return load_file(out / f"{name}.safetensors")
+
+
+def test_two_ranks_match_one_rank_for_zero2_and_zero3(updates, tmp_path):
     base = load_file(base_model_dir(small_config(tmp_path)) / "model.safetensors")
-    one = _run(tmp_path, "one", 1, 0, *SPLIT_FORWARD)
+    one = _weights(updates["one"])
     moved = max(float((one[k] - base[k]).abs().max()) for k in one)
     assert moved > 1e-4  # the update did something
     # Adam's first step moves a weight by lr * g / (|g| + eps): lr for a real gradient, less
@@ -56,7 +72,7 @@ def test_two_ranks_match_one_rank_for_zero2_and_zero3(tmp_path):
     noisy = {k: (one[k] - base[k]).abs() < 0.99 * LR for k in one}
     assert sum(int(m.sum()) for m in noisy.values()) < 0.01 * sum(m.numel() for m in noisy.values())
     for stage in (2, 3):
-        two = _run(tmp_path, f"two-z{stage}", 2, stage, *SPLIT_FORWARD)
+        two = _weights(updates[f"two-z{stage}"])
         assert two.keys() == one.keys()
         for k in one:
             diff = (one[k] - two[k]).abs()
@@ -65,16 +81,15 @@ def test_two_ranks_match_one_rank_for_zero2_and_zero3(tmp_path):
             assert noise.numel() == 0 or float(noise.max()) < 0.1 * LR, (stage, k)
 
 
-def test_lora_two_ranks_match_one_rank_for_zero0_and_zero2(tmp_path):
-    lora = ("model.lora.enabled=true", "model.lora.r=4", "model.lora.alpha=8")
+def test_lora_two_ranks_match_one_rank_for_zero0_and_zero2(updates):
     adapter = "adapter/adapter_model"
-    one = _run(tmp_path, "one", 1, 0, *lora, weights=adapter)
+    one = _weights(updates["lora-one"], adapter)
     assert max(float(one[k].abs().max()) for k in one if "lora_B" in k) > 1e-4  # B left 0
     for stage in (0, 2):
-        two = _run(tmp_path, f"two-z{stage}", 2, stage, *lora, weights=adapter)
+        two = _weights(updates[f"lora-two-z{stage}"], adapter)
         assert two.keys() == one.keys()
         for k in one:
             assert torch.allclose(one[k], two[k], atol=2e-5, rtol=1e-4), (stage, k)
     # the merged policy of the 2-rank run is base + the same adapters
-    merged = load_file(tmp_path / "two-z2" / "policy" / "model.safetensors")
+    merged = _weights(updates["lora-two-z2"])
     assert not any("lora_" in k for k in merged)

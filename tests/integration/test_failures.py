@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.helpers import ROOT, SMALL, by_stage
+from tests.helpers import ROOT, SMALL
 
 pytestmark = [pytest.mark.slow, pytest.mark.faults]
 
@@ -127,58 +127,3 @@ def test_an_error_inside_a_rank_reaches_the_user_as_one_line(tmp_path):
     exits = ["grpo.reward_funcs=['tests.fault_rewards:os_exits']", "grpo.reward_weights=[1]"]
     code, out, err, _ = _grpo("train", "--overwrite", *_sets(tmp_path, *exits), cwd=ROOT)
     _one_line_error(code, out, err, "exited with 0 but never finished", "os._exit")
-
-
-def test_two_pipelines_on_a_fresh_store_both_finish(tmp_path):
-    """Two pipelines started at once against a new sqlite store, a new Prefect home and the same
-    SFT cache: one without the control (--no-control), one with the sequential control."""
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")  # fresh: both migrate it at once
-    args = [sys.executable, "-m", "flows.cli", "pipeline", *_sets(tmp_path, "grpo.eval_every=0",
-            "tracking.registered_model=concurrent")]  # fmt: skip
-    variants = [["--no-control"], ["--set", "sft.control=sequential"]]
-    procs = [
-        subprocess.Popen(
-            args + extra,
-            cwd=tmp_path,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
-        for extra in variants
-    ]
-    outs = [p.communicate(timeout=900)[0] for p in procs]
-    (tmp_path / "outs.txt").write_text("\n=====\n".join(outs))
-    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
-    from mlflow import MlflowClient
-
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    c = MlflowClient(uri, uri)
-    versions = c.search_model_versions("name='concurrent'")
-    assert sorted(int(v.version) for v in versions) == [1, 2]
-    challenger = c.get_model_version_by_alias("concurrent", "challenger")
-    assert challenger.version in {v.version for v in versions}
-    # one reference for both: how the control runs is not part of its cache key
-    assert len(list((tmp_path / "runs" / "sft").glob("*/model.safetensors"))) == 1
-    exp = c.get_experiment_by_name("grpo-tiny")
-    runs = c.search_runs([exp.experiment_id])
-    parents = {
-        r.data.params["sft.control"]: r for r in runs if "mlflow.parentRunId" not in r.data.tags
-    }
-    kids = {mode: by_stage([r for r in runs
-                            if r.data.tags.get("mlflow.parentRunId") == p.info.run_id])
-            for mode, p in parents.items()}  # fmt: skip
-    assert "sft_continued" not in kids["auto"]  # --no-control
-    assert "sft_continued/eval/synthetic/accuracy" not in parents["auto"].data.metrics
-    ctl = kids["sequential"]["sft_continued"]
-    assert ctl.data.tags["control_mode"] == "sequential"
-    # after GRPO, for GRPO's training seconds (its summary's), not cut short, and stopping at
-    # the first step past them (each step and validation well under 10 s here)
-    g = kids["sequential"]["grpo"].info
-    pid = parents["sequential"].info.run_id
-    (summary,) = (tmp_path / "runs").glob(f"tiny/{pid}/grpo/train_summary.json")
-    grpo_s = json.loads(summary.read_text())["seconds"]
-    assert grpo_s <= ctl.data.metrics["sft_continued/seconds"] <= grpo_s + 10
-    assert ctl.info.start_time >= g.end_time
-    assert "grpo/eval/synthetic/diff_vs_sft_continued" in parents["sequential"].data.metrics

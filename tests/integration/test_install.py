@@ -1,5 +1,7 @@
-"""A plain (non-editable) install runs the pipeline from another directory."""
+"""A plain (non-editable) install runs the pipeline from another directory, at the same time as
+a pipeline from the source tree, both on a store and a Prefect home that do not exist yet."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -8,14 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, SMALL
+from tests.helpers import ROOT, SMALL, by_stage
 
 pytestmark = pytest.mark.slow
 
 
-def test_a_wheel_install_runs_the_pipeline_elsewhere(tmp_path):
-    wheels, site, work = tmp_path / "wheels", tmp_path / "site", tmp_path / "work"
-    work.mkdir()
+def _wheel_site(tmp_path: Path) -> Path:
+    """The project built as a wheel and installed (no dependencies) into a directory of its
+    own, which PYTHONPATH then puts first."""
+    wheels, site = tmp_path / "wheels", tmp_path / "site"
     # build from a copy: setuptools writes build/ next to the sources
     src = tmp_path / "src"
     shutil.copytree(
@@ -36,17 +39,71 @@ def test_a_wheel_install_runs_the_pipeline_elsewhere(tmp_path):
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert inst.returncode == 0, inst.stderr[-2000:]
     assert (site / "grpo" / "engine" / "deepspeed.json").is_file()  # package data shipped
-    # the copy in site/ must be the one that runs, not the source tree
+    return site
+
+
+def test_a_wheel_install_and_the_source_tree_run_two_pipelines_on_a_fresh_store(tmp_path):
+    """Two pipelines started at once in one directory, with no MLflow store, Prefect home or
+    SFT cache there yet (both create them): the installed wheel's without the control
+    (--no-control), the source tree's with the sequential control."""
+    site, work = _wheel_site(tmp_path), tmp_path / "work"
+    work.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    env.update(PYTHONPATH=str(site), HF_HUB_OFFLINE="1")
+    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")  # fresh: both migrate it at once
+    wheel_env = {**env, "PYTHONPATH": str(site)}
+    # the copy in site/ must be the one that runs, not the source tree
     where = subprocess.run([sys.executable, "-c", "import grpo, flows; print(grpo.__file__)"],
-                           cwd=work, env=env, capture_output=True, text=True)  # fmt: skip
+                           cwd=work, env=wheel_env, capture_output=True, text=True)  # fmt: skip
     assert Path(where.stdout.strip()).is_relative_to(site), where.stdout + where.stderr
-    sets = [a for s in [*SMALL, "grpo.eval_every=0"] for a in ("--set", s)]
-    run = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "pipeline", "--no-control", *sets], cwd=work, env=env,
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    sets = ["grpo.eval_every=0", "tracking.registered_model=concurrent"]
+    args = [sys.executable, "-m", "flows.cli", "pipeline",
+            *[a for s in [*SMALL, *sets] for a in ("--set", s)]]  # fmt: skip
+    variants = [(["--no-control"], wheel_env), (["--set", "sft.control=sequential"], env)]
+    procs = [
+        subprocess.Popen(
+            args + extra,
+            cwd=work,
+            env=e,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for extra, e in variants
+    ]
+    outs = [p.communicate(timeout=900)[0] for p in procs]
+    (tmp_path / "outs.txt").write_text("\n=====\n".join(outs))
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
     assert (work / "mlflow.db").is_file()  # the default store is in the working directory
-    assert list((work / "runs").glob("tiny/*/grpo/policy/model.safetensors"))
+    assert len(list((work / "runs").glob("tiny/*/grpo/policy/model.safetensors"))) == 2
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{work / 'mlflow.db'}"
+    c = MlflowClient(uri, uri)
+    versions = c.search_model_versions("name='concurrent'")
+    assert sorted(int(v.version) for v in versions) == [1, 2]
+    challenger = c.get_model_version_by_alias("concurrent", "challenger")
+    assert challenger.version in {v.version for v in versions}
+    # one reference for both: how the control runs is not part of its cache key, and the
+    # wheel's code is the source tree's
+    assert len(list((work / "runs" / "sft").glob("*/model.safetensors"))) == 1
+    exp = c.get_experiment_by_name("grpo-tiny")
+    runs = c.search_runs([exp.experiment_id])
+    parents = {
+        r.data.params["sft.control"]: r for r in runs if "mlflow.parentRunId" not in r.data.tags
+    }
+    kids = {mode: by_stage([r for r in runs
+                            if r.data.tags.get("mlflow.parentRunId") == p.info.run_id])
+            for mode, p in parents.items()}  # fmt: skip
+    assert "sft_continued" not in kids["auto"]  # --no-control
+    assert "sft_continued/eval/synthetic/accuracy" not in parents["auto"].data.metrics
+    ctl = kids["sequential"]["sft_continued"]
+    assert ctl.data.tags["control_mode"] == "sequential"
+    # after GRPO, for GRPO's training seconds (its summary's), not cut short, and stopping at
+    # the first step past them (each step and validation well under 10 s here)
+    g = kids["sequential"]["grpo"].info
+    pid = parents["sequential"].info.run_id
+    (summary,) = (work / "runs").glob(f"tiny/{pid}/grpo/train_summary.json")
+    grpo_s = json.loads(summary.read_text())["seconds"]
+    assert grpo_s <= ctl.data.metrics["sft_continued/seconds"] <= grpo_s + 10
+    assert ctl.info.start_time >= g.end_time
+    assert "grpo/eval/synthetic/diff_vs_sft_continued" in parents["sequential"].data.metrics

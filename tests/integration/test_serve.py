@@ -4,7 +4,7 @@ The deployment is triggered through Prefect's API (run_deployment) instead of wa
 cron; the worker runs it; the MLflow server must then hold the runs, metrics, artifacts and the
 registered version, read over HTTP. Both servers want the credentials serve generated: the
 attacks of an account without them are replayed and refused. Stopping serve must leave no
-process behind.
+process behind. (A dead worker and a dead MLflow server: test_serve_crash.py.)
 """
 
 from __future__ import annotations
@@ -22,181 +22,13 @@ from pathlib import Path
 
 import psutil
 import pytest
-import yaml
 
 from grpo.launch.runner import free_port
 from tasks.server_auth import credentials_path
-from tests.helpers import ROOT, by_stage, small_config
+from tests.helpers import by_stage
+from tests.serve_harness import DEPLOYMENT, WAITING, Receiver, Served, alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.serve]
-
-DEPLOYMENT = "grpo-pipeline/nightly-tiny"
-READY = "Ctrl-C stops everything"
-WAITING = ("SCHEDULED", "PENDING")  # not yet picked up by a worker
-
-
-class Served:
-    """A running `grpo serve` with its ports, state directory and output files."""
-
-    def __init__(
-        self, tmp: Path, model_name: str, alert_url: str | None = None,
-        database: str | None = None, extra: tuple[str, ...] = (),
-    ) -> None:  # fmt: skip
-        cfg = small_config(
-            tmp, f"tracking.registered_model={model_name}", "tracking.experiment=serve-e2e",
-            f"deepspeed.master_port={free_port()}",
-        )  # fmt: skip
-        self.config = tmp / "serve.yaml"
-        self.config.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-        self.prefect, self.mlflow = free_port(), free_port()
-        self.state, self.out = tmp / "state", tmp / "serve.out"
-        env = {**os.environ, "PREFECT_WORKER_QUERY_SECONDS": "2"}
-        env.pop("MLFLOW_TRACKING_URI", None)
-        env.pop("GRPO_ALERT_WEBHOOK_URL", None)
-        stale: list[str] = []
-        if alert_url:  # the nightly's "no completed run" alert after 15 s instead of 26 h
-            env["GRPO_ALERT_WEBHOOK_URL"] = alert_url
-            stale = ["--alert-stale-hours", str(15 / 3600)]
-        if database:
-            stale += ["--database", database]
-        stale += list(extra)
-        # flow runs beat every 30 s (Prefect's least; 180 by default), so that a dead one is
-        # found within a test's patience
-        env["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] = "30"
-        for k in ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
-            env.pop(k, None)
-        # started outside the project: the deployment must still find flows/pipeline.py
-        self.proc = subprocess.Popen(
-            [str(Path(sys.executable).with_name("grpo")), "serve", "--config", str(self.config),
-             "--prefect-port", str(self.prefect), "--mlflow-port", str(self.mlflow),
-             "--state-dir", str(self.state), "--pool", "e2e-pool", *stale],
-            stdout=self.out.open("w"), stderr=subprocess.STDOUT, env=env, cwd=tmp,
-        )  # fmt: skip
-        self.api = f"http://127.0.0.1:{self.prefect}/api"
-        self.tracking = f"http://127.0.0.1:{self.mlflow}"
-        self.creds: dict = {}
-
-    def wait_ready(self, seconds: float = 300) -> None:
-        deadline = time.time() + seconds
-        while time.time() < deadline:
-            if READY in self.out.read_text():
-                self.creds = json.loads(credentials_path(self.state).read_text())
-                return
-            assert self.proc.poll() is None, f"serve exited early:\n{self.out.read_text()}"
-            time.sleep(1)
-        raise AssertionError(f"serve not ready in {seconds}s:\n{self.out.read_text()}")
-
-    def client_env(self) -> dict[str, str]:
-        """What a client is told to set (README): the credentials file's secrets."""
-        return {
-            "MLFLOW_TRACKING_URI": self.tracking,
-            "MLFLOW_TRACKING_USERNAME": "admin",
-            "MLFLOW_TRACKING_PASSWORD": self.creds["mlflow_password"],
-            "PREFECT_API_URL": self.api,
-            "PREFECT_API_AUTH_STRING": f"admin:{self.creds['prefect_password']}",
-        }
-
-    def _auth(self) -> dict[str, str]:
-        token = base64.b64encode(f"admin:{self.creds['prefect_password']}".encode()).decode()
-        return {"Authorization": f"Basic {token}"}
-
-    def children(self) -> list[psutil.Process]:
-        return psutil.Process(self.proc.pid).children(recursive=True)
-
-    def child(self, word: str) -> psutil.Process:
-        """The direct child whose command line holds `word` (mlflow, worker, ...)."""
-        kids = psutil.Process(self.proc.pid).children()
-        return next(p for p in kids if word in " ".join(p.cmdline()))
-
-    def trigger(self, timeout: float, overrides: list[str] | None = None) -> dict:
-        """run_deployment through Prefect's client, in a process pointed at this server."""
-        params = {"params": {"overrides": overrides}} if overrides else None
-        code = (
-            "import json, sys\n"
-            "from prefect.deployments import run_deployment\n"
-            f"fr = run_deployment({DEPLOYMENT!r}, timeout={timeout}, parameters={params!r})\n"
-            "print(json.dumps({'id': str(fr.id), 'state': fr.state.type.value}))\n"
-        )
-        env = {**os.environ, **self.client_env()}
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                             text=True, timeout=timeout + 120, cwd=ROOT)  # fmt: skip
-        assert out.returncode == 0, out.stderr[-2000:]
-        return json.loads(out.stdout.strip().splitlines()[-1])
-
-    def api_post(self, path: str, body: dict) -> object:
-        hdrs = {"Content-Type": "application/json", **self._auth()}
-        req = urllib.request.Request(f"{self.api}{path}", data=json.dumps(body).encode(),
-                                     headers=hdrs)  # fmt: skip
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return json.loads(r.read())
-
-    def api_get(self, path: str) -> dict:
-        req = urllib.request.Request(f"{self.api}{path}", headers=self._auth())
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return json.loads(r.read())
-
-    def api_patch(self, path: str, body: dict) -> None:
-        hdrs = {"Content-Type": "application/json", **self._auth()}
-        req = urllib.request.Request(f"{self.api}{path}", data=json.dumps(body).encode(),
-                                     headers=hdrs, method="PATCH")  # fmt: skip
-        with urllib.request.urlopen(req, timeout=30):
-            pass
-
-    def flow_run_state(self, run_id: str) -> str:
-        req = urllib.request.Request(f"{self.api}/flow_runs/{run_id}", headers=self._auth())
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return json.loads(r.read())["state"]["type"]
-
-    def wait_state(self, run_id: str, leave: tuple[str, ...], seconds: float, what: str) -> str:
-        """Poll the flow run until its state is not in `leave`; fail naming `what` otherwise."""
-        deadline = time.time() + seconds
-        while (state := self.flow_run_state(run_id)) in leave:
-            assert time.time() < deadline, f"{what} within {seconds:.0f}s (still {state})"
-            assert self.proc.poll() is None, f"serve exited:\n{self.out.read_text()[-2000:]}"
-            time.sleep(1)
-        return state
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-        return self.proc.wait(timeout=120)
-
-
-class Receiver:
-    """An HTTP server on loopback that records every POST it gets (the alerts' webhook)."""
-
-    def __init__(self) -> None:
-        import threading
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-        got = self.got = []
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                try:
-                    got.append({"path": self.path, "body": json.loads(body)})
-                except ValueError:  # recorded as text: the test fails naming it
-                    got.append({"path": self.path, "body": {"not_json": body.decode()}})
-                self.send_response(204)
-                self.end_headers()
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        # a path with a token in it, as a chat service's webhook has: never printed or logged
-        self.token = "tok-" + base64.b32encode(os.urandom(10)).decode().lower()
-        self.url = f"http://127.0.0.1:{self.server.server_port}/hooks/{self.token}"
-
-    def wait_for(self, pred, seconds: float, what: str) -> dict:  # noqa: ANN001
-        deadline = time.time() + seconds
-        while time.time() < deadline:
-            if hits := [g for g in self.got if pred(g["body"])]:
-                return hits[0]
-            time.sleep(0.5)
-        raise AssertionError(f"{what} within {seconds:.0f}s; received: {self.got}")
 
 
 def _server_memory(s: Served) -> dict[str, float]:
@@ -333,17 +165,6 @@ def _cmdlines() -> set[str]:
         try:
             out.add(" ".join(p.cmdline()))
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return out
-
-
-def _alive(procs: list[psutil.Process]) -> list[str]:
-    out = []
-    for p in procs:
-        try:
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(" ".join(p.cmdline())[:120])
-        except psutil.NoSuchProcess:
             continue
     return out
 
@@ -515,7 +336,7 @@ def test_a_triggered_deployment_runs_on_the_worker_and_lands_in_the_mlflow_serve
         rc = s.stop()
     assert rc == 0, s.out.read_text()[-2000:]
     time.sleep(1)
-    assert not _alive(below), _alive(below)
+    assert not alive(below), alive(below)
     # nor its PostgreSQL, restarted under it or not
     pg = [p.pid for p in psutil.process_iter(["cmdline"])
           if f"-D {s.state / 'postgres'}" in " ".join(p.info["cmdline"] or [])]  # fmt: skip
@@ -530,82 +351,3 @@ def test_a_triggered_deployment_runs_on_the_worker_and_lands_in_the_mlflow_serve
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == f"sqlite:///{s.state / 'mlflow.db'}"
-
-
-def test_a_dead_workers_run_ends_crashed_and_a_dead_mlflow_server_stops_serve(
-    tmp_path, monkeypatch
-):
-    """A worker killed with its flow run (SIGKILL, as when its machine dies): the flow run
-    stops sending heartbeats, Prefect sets it Crashed saying why, and serve ends its MLflow
-    runs KILLED. Then the MLflow server is killed: serve exits 2 naming it, and stops the rest."""
-    from mlflow import MlflowClient
-
-    s = Served(tmp_path, "serve-kill", extra=("--crashed-after-s", "40"))
-    doomed = None
-    try:
-        s.wait_ready()
-        assert "a run with no heartbeat for 40 s is set Crashed" in s.out.read_text()
-        # serve's own worker is frozen, so that the doomed worker takes the run
-        own = s.child("worker start")
-        own.suspend()
-        doomed = subprocess.Popen(
-            [str(Path(sys.executable).with_name("grpo")), "worker", "--pool", "e2e-pool",
-             "--name", "doomed"],
-            env={**os.environ, **s.client_env(), "PREFECT_WORKER_QUERY_SECONDS": "2",
-                 "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"},
-            stdout=(tmp_path / "doomed.out").open("w"), stderr=subprocess.STDOUT, cwd=tmp_path,
-        )  # fmt: skip
-        run = s.trigger(timeout=0, overrides=["grpo.steps=400"])
-        c = MlflowClient(s.tracking, s.tracking)
-        for k, v in s.client_env().items():
-            monkeypatch.setenv(k, v)
-        parent = _wait_for_parent(c, run["id"], 180)
-        tree = [psutil.Process(doomed.pid), *psutil.Process(doomed.pid).children(recursive=True)]
-        for p in tree:  # the worker, its flow run and its stages' processes, at once
-            p.kill()
-        own.resume()
-        t0 = time.time()
-        state = s.wait_state(run["id"], ("RUNNING",), 240, "the dead run was not set Crashed")
-        print(f"the dead worker's run was {state} {time.time() - t0:.0f}s after the kill")
-        assert state == "CRASHED"
-        got = s.api_get(f"/flow_runs/{run['id']}")["state"]["message"]
-        assert "no heartbeat for 40 s" in got and "worker or its machine died" in got
-        deadline = time.time() + 60
-        while (p := c.get_run(parent)).info.status == "RUNNING":
-            assert time.time() < deadline, "serve did not end the crashed run's MLflow run"
-            time.sleep(2)
-        assert p.info.status == "KILLED" and run["id"] in p.data.tags["killed_by"]
-        exp = p.info.experiment_id
-        kids = c.search_runs([exp], f"tags.mlflow.parentRunId = '{parent}'")
-        assert kids and all(k.info.status != "RUNNING" for k in kids)
-        assert "ended KILLED" in s.out.read_text()
-
-        run = s.trigger(timeout=0)
-        s.wait_state(run["id"], WAITING, 120, "the worker did not start the run")
-        below = s.children()
-        s.child("--app-name").kill()  # the MLflow server
-        rc = s.proc.wait(timeout=120)
-    finally:
-        if doomed is not None and doomed.poll() is None:
-            doomed.kill()
-        s.stop()
-    out = s.out.read_text()
-    assert rc == 2, out[-2000:]
-    assert "the mlflow process exited" in out
-    time.sleep(1)
-    assert not _alive(below), _alive(below)
-
-
-def _wait_for_parent(c, flow_run_id: str, seconds: float) -> str:  # noqa: ANN001
-    """The MLflow parent run of a flow run, once its stages have started."""
-    deadline = time.time() + seconds
-    while time.time() < deadline:
-        for e in c.search_experiments():
-            got = c.search_runs([e.experiment_id],
-                                f"tags.`prefect.flow_run_id` = '{flow_run_id}'")  # fmt: skip
-            if got and c.search_runs(
-                [e.experiment_id], f"tags.mlflow.parentRunId = '{got[0].info.run_id}'"
-            ):
-                return got[0].info.run_id
-        time.sleep(1)
-    raise AssertionError(f"no MLflow run of flow run {flow_run_id} within {seconds:.0f}s")

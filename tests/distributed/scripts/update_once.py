@@ -1,6 +1,9 @@
 """One GRPO update on a fixed global batch, this rank's share of it; saves the policy.
 
 Run as one process or as ranks (grpo.launch.runner.launches); the test compares the saved weights.
+Arguments: one or more (config, base model, output directory) triples, each a fresh Trainer
+from its base, one after the other in the same process group (the ranks' start-up, most of a
+launch's time, is paid once for all of them).
 """
 
 import sys
@@ -18,7 +21,12 @@ from tests.helpers import fixed_rollout, per_token  # noqa: E402
 
 def main() -> None:
     # the launcher adds --local_rank=N
-    cfg_path, base, out = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    for i in range(0, len(args), 3):
+        update_once(*args[i : i + 3])
+
+
+def update_once(cfg_path: str, base: str, out: str) -> None:
     cfg = load_config(cfg_path)
     t = Trainer(cfg, base, Path(out) / "work")
     texts = ["<think>1</think><answer>46</answer>", "<answer>4</answer>", "46", "<think>9+9"] * 2
