@@ -44,7 +44,7 @@ MUTANTS = [
     ("the control's mode in the SFT cache key", "grpo/launch/paths.py",
      'keyed = cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"control": "auto"})})',
      "keyed = cfg",
-     INT + "test_failures.py::test_two_pipelines_on_a_fresh_store_both_finish"),
+     INT + "test_install.py::test_wheel_and_source_pipelines_share_a_fresh_store"),
     ("the fast sampler ignores LoRA adapters", "grpo/models/lora.py",
      "    if module.disable_adapters or module.merged:\n        return w",
      "    if True:\n        return w",

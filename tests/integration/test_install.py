@@ -42,7 +42,7 @@ def _wheel_site(tmp_path: Path) -> Path:
     return site
 
 
-def test_a_wheel_install_and_the_source_tree_run_two_pipelines_on_a_fresh_store(tmp_path):
+def test_wheel_and_source_pipelines_share_a_fresh_store(tmp_path):
     """Two pipelines started at once in one directory, with no MLflow store, Prefect home or
     SFT cache there yet (both create them): the installed wheel's without the control
     (--no-control), the source tree's with the sequential control."""
