@@ -22,6 +22,8 @@ def _runs(
     overrides), each from its base model; returns each variant's output directory."""
     argv, cfg = [], None
     for name, (stage, extra) in variants.items():
+        # 8 completions = 2 prompts x 4: one prompt per rank with 2 ranks; micro-batch of 2
+        # completions so that each rank accumulates 2 micro-batches
         cfg = small_config(
             tmp, "grpo.prompts_per_step=2", "grpo.num_generations=4", "grpo.micro_batch_size=2",
             f"grpo.lr={LR}", "grpo.warmup_steps=0", f"deepspeed.zero_stage={stage}",
@@ -33,14 +35,17 @@ def _runs(
     plan = launches(cfg, [str(SCRIPT), *argv])
     run_launches(plan, log=lambda line: None)
     if nproc > 1:
+        # DeepSpeed's CPU all-reduce buffers (69 MB a rank in /dev/shm) are gone after the run
         port = plan[0].env["MASTER_PORT"]
         assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
     return {name: tmp / name for name in variants}
 
 
+# every row in its own length bucket and the LM head in chunks of 2 positions (104-token
+# vocabulary: 416 bytes a position), so that each rank's micro-batch runs several forwards and
+# head calls before its one backward: ZeRO-2 packs gradients in the order their hooks fire,
+# which must not depend on how many buckets a rank ran (ZeRO-3 turns both off)
 SPLIT_FORWARD = ("grpo.bucket_tokens=8", "grpo.logits_budget_mib=0.001")
-
-
 LORA = ("model.lora.enabled=true", "model.lora.r=4", "model.lora.alpha=8")
 
 
