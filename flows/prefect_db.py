@@ -24,19 +24,30 @@ def migrate_local_database() -> None:
     migration (alembic: "No such index ..."), and one fails; here the first migrates under a
     file lock and the second finds the schema current (about 50 ms).
     """
+    from prefect.server.database import provide_database_interface
+
+    with _local_database_lock() as local:
+        if local:
+            asyncio.run(provide_database_interface().create_db())
+
+
+@contextlib.contextmanager
+def _local_database_lock() -> Iterator[bool]:
+    """Held while this process migrates or starts a server on Prefect's local sqlite database
+    (yields True); yields False, holding nothing, when a server or another database is
+    configured."""
     from prefect.settings import get_current_settings
 
     settings = get_current_settings()
     url = settings.server.database.connection_url
     url = url.get_secret_value() if url is not None else ""
     if settings.api.url or not url.startswith("sqlite"):
+        yield False
         return
-    from prefect.server.database import provide_database_interface
-
     home = Path(settings.home)
     home.mkdir(parents=True, exist_ok=True)
     with file_lock(home / "grpo-migrate.lock"):
-        asyncio.run(provide_database_interface().create_db())
+        yield True
 
 
 @contextlib.contextmanager
@@ -65,10 +76,18 @@ def pipeline_api(startup_s: float = 120) -> Iterator[None]:
     cmd = [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(prefect.__file__).parents[1]),
            "--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1",
            "--port", str(port), "--log-level", "error", "--lifespan", "on"]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}/api"
+    # one server starting at a time on a shared local database: the app registers Prefect's
+    # block types as it starts, and two at once on a fresh home collided there ("UNIQUE
+    # constraint failed: block_type.slug", the second server exiting with 3; seen in CI)
+    with _local_database_lock():
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        try:
+            _wait_healthy(url, proc, startup_s)
+        except BaseException:
+            stop_processes([proc])
+            raise
     try:
-        _wait_healthy(url, proc, startup_s)
         with temporary_settings({PREFECT_API_URL: url}):
             try:
                 yield
