@@ -110,7 +110,7 @@ def cmd_evaluate(a: argparse.Namespace) -> None:
 
 def cmd_pipeline(a: argparse.Namespace) -> None:
     from flows.pipeline import PipelineParams, grpo_pipeline
-    from flows.prefect_db import migrate_local_database, pipeline_api
+    from flows.prefect_db import pipeline_api
 
     cfg = _config(a)
     _preflight(cfg, tracking=True)
@@ -118,7 +118,6 @@ def cmd_pipeline(a: argparse.Namespace) -> None:
         from tasks.tracking import check_resumable
 
         check_resumable(cfg, a.resume)
-    migrate_local_database()
     params = PipelineParams(config=a.config, overrides=list(a.set or []), control=not a.no_control,
                             resume=a.resume)  # fmt: skip
     with pipeline_api():

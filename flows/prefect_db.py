@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import subprocess
@@ -16,38 +15,19 @@ from pathlib import Path
 from grpo.launch.paths import file_lock
 
 
-def migrate_local_database() -> None:
-    """Create or migrate Prefect's sqlite database under PREFECT_HOME, one process at a time.
-
-    Without PREFECT_API_URL each pipeline starts a temporary Prefect server, which migrates the
-    database as it starts. Two pipelines started at once on a fresh PREFECT_HOME race in that
-    migration (alembic: "No such index ..."), and one fails; here the first migrates under a
-    file lock and the second finds the schema current (about 50 ms).
-    """
-    from prefect.server.database import provide_database_interface
-
-    with _local_database_lock() as local:
-        if local:
-            asyncio.run(provide_database_interface().create_db())
-
-
 @contextlib.contextmanager
-def _local_database_lock() -> Iterator[bool]:
-    """Held while this process migrates or starts a server on Prefect's local sqlite database
-    (yields True); yields False, holding nothing, when a server or another database is
-    configured."""
+def _local_database_lock() -> Iterator[None]:
+    """Held while this process starts a server on Prefect's local sqlite database; holds
+    nothing when another database is configured."""
     from prefect.settings import get_current_settings
 
-    settings = get_current_settings()
-    url = settings.server.database.connection_url
-    url = url.get_secret_value() if url is not None else ""
-    if settings.api.url or not url.startswith("sqlite"):
-        yield False
+    url = get_current_settings().server.database.connection_url
+    if not (url.get_secret_value() if url is not None else "").startswith("sqlite"):
+        yield
         return
-    home = Path(settings.home)
-    home.mkdir(parents=True, exist_ok=True)
-    with file_lock(home / "grpo-migrate.lock"):
-        yield True
+    home = Path(get_current_settings().home)
+    with file_lock(home / "grpo-server-start.lock"):
+        yield
 
 
 @contextlib.contextmanager
@@ -77,9 +57,11 @@ def pipeline_api(startup_s: float = 120) -> Iterator[None]:
            "--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1",
            "--port", str(port), "--log-level", "error", "--lifespan", "on"]  # fmt: skip
     url = f"http://127.0.0.1:{port}/api"
-    # one server starting at a time on a shared local database: the app registers Prefect's
-    # block types as it starts, and two at once on a fresh home collided there ("UNIQUE
-    # constraint failed: block_type.slug", the second server exiting with 3; seen in CI)
+    # one server starting at a time on a shared local database: as it starts, the app migrates
+    # the database and registers Prefect's block types, and two pipelines started at once on a
+    # fresh PREFECT_HOME collided in both (alembic's "No such index ...", then "UNIQUE
+    # constraint failed: block_type.slug", the second server exiting with 3; seen in CI). The
+    # second waits here, then finds the schema current.
     with _local_database_lock():
         proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         try:
