@@ -59,10 +59,15 @@ def test_process_vs_outcome_runs_and_reports(tmp_path):
 
 
 def test_utilization_counts_the_matmuls_of_both_phases(tmp_path):
-    out = tmp_path / "util.md"
+    """On the default model at a quarter of its batch (8 prompts x 8): enough matmul work
+    (several GFLOP a phase) for the report's rounded cells to check its arithmetic."""
+    import yaml
+
+    out, config = tmp_path / "util.md", tmp_path / "util.yaml"
+    config.write_text(yaml.safe_dump({"grpo": {"prompts_per_step": 8}}))
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "utilization.py"), "--repeats", "1",
-         "--out", str(out)],
+         "--config", str(config), "--out", str(out)],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
