@@ -71,8 +71,14 @@ def _last_line(err: str) -> str:
 def test_stopping_grpo_train_stops_its_ranks_at_once(tmp_path, nproc, sig):
     """A signal to `grpo train`'s own pid (a scheduler's SIGTERM, a kill from another shell)
     reaches its ranks: before, they trained on for 8-19 s until a write to the closed pipe."""
+    from grpo.launch.paths import base_model_dir
+    from tests.helpers import small_config
+
     out = tmp_path / "grpo"
-    proc = _start(["train", "--out", str(out), "--nproc", str(nproc),
+    # from the untrained base (--policy): an SFT reference first would add two more ranks'
+    # start-up (nproc 2) to a test about stopping GRPO's
+    base = base_model_dir(small_config(tmp_path))
+    proc = _start(["train", "--out", str(out), "--nproc", str(nproc), "--policy", str(base),
                    *_sets(f"output_dir={tmp_path}", "grpo.steps=100000",
                           "grpo.checkpoint_every=1")], cwd=tmp_path)  # fmt: skip
     # until a checkpoint is whole (its `latest` pointer is written last): a stop between the
