@@ -65,7 +65,7 @@ MUTANTS = [
      '    inner = model._modules.get("module") if isinstance(model, torch.nn.Module) else None',
      "    inner = None",
      INT + "test_trainer.py::test_one_grpo_update_raises_the_rewarded_completion"),
-    ("ranks import mlflow with DeepSpeed", "grpo/launch/worker.py",
+    ("ranks import mlflow with DeepSpeed", "grpo/launch/environment.py",
      '    sys.modules["mlflow"] = None  # type: ignore[assignment]\n', "",
      "tests/unit/test_environment.py::test_a_rank_imports_deepspeed_without_mlflow_and_can_still_"
      "import_it"),

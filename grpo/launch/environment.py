@@ -44,3 +44,20 @@ def quiet_environment(environ: MutableMapping[str, str] | None = None) -> None:
     pins = REPRODUCIBLE_CPU if platform.machine().lower() in ("x86_64", "amd64") else {}
     for k, v in {**QUIET_ENV, "TORCH_EXTENSIONS_DIR": extensions_dir(), **pins}.items():
         env.setdefault(k, v)
+
+
+def import_deepspeed_without_mlflow() -> None:
+    """Import DeepSpeed with mlflow hidden from it, in a process that has not loaded mlflow: a
+    rank, or `grpo sft`/`grpo train` building the reference in their own process. None of them
+    talks to MLflow (a stage's Prefect task logs what its ranks wrote), but `import deepspeed`
+    imports its autotuner, which imports mlflow when it is installed, and pandas, pyarrow and
+    FastAPI with it: 1-3 s of CPU in every rank on a 2-core machine (README, Tests). A None in
+    sys.modules makes that import fail (the autotuner, never used here, then runs without
+    MLflow); removed after, so a reward function that imports mlflow still gets it."""
+    if "deepspeed" in sys.modules or "mlflow" in sys.modules:
+        return
+    sys.modules["mlflow"] = None  # type: ignore[assignment]
+    try:
+        import deepspeed  # noqa: F401
+    finally:
+        del sys.modules["mlflow"]

@@ -316,7 +316,9 @@ def _build_reference(cfg: Config, base: Path, out: Path, log: Callable[[str], No
     else:
         from grpo.data.sets import training_sets
         from grpo.engine.sft import train_reference
+        from grpo.launch.environment import import_deepspeed_without_mlflow
 
+        import_deepspeed_without_mlflow()  # `grpo sft`/`grpo train`; a pipeline has mlflow
         summary = train_reference(cfg, base, out, training_sets(cfg))
         (out / "sft_summary.json").write_text(json.dumps(summary, indent=2))
 

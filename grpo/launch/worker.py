@@ -11,25 +11,9 @@ import os
 import sys
 from pathlib import Path
 
-from grpo.launch.environment import quiet_environment
+from grpo.launch.environment import import_deepspeed_without_mlflow, quiet_environment
 
 quiet_environment()  # before torch is imported by anything below
-
-
-def import_deepspeed_without_mlflow() -> None:
-    """Import DeepSpeed with mlflow hidden from it. A rank never talks to MLflow (its stage's
-    Prefect task logs what the rank wrote), but `import deepspeed` imports its autotuner, which
-    imports mlflow when it is installed, and pandas, pyarrow and FastAPI with it: about 2.7 s of
-    CPU in every rank on a 2-core machine, a quarter of the rank's start. A None in sys.modules
-    makes that import fail (the autotuner, never used here, then runs without MLflow); removed
-    after, so a reward function that imports mlflow still gets it."""
-    if "deepspeed" in sys.modules or "mlflow" in sys.modules:
-        return
-    sys.modules["mlflow"] = None  # type: ignore[assignment]
-    try:
-        import deepspeed  # noqa: F401
-    finally:
-        del sys.modules["mlflow"]
 
 
 def main(argv: list[str] | None = None) -> None:

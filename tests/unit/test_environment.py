@@ -16,7 +16,7 @@ import json, sys
 from grpo.launch.environment import quiet_environment
 quiet_environment()
 import torch
-from grpo.launch.worker import import_deepspeed_without_mlflow
+from grpo.launch.environment import import_deepspeed_without_mlflow
 import_deepspeed_without_mlflow()
 from deepspeed.autotuning import autotuner
 seen = {"cpu": torch.backends.cpu.get_cpu_capability(), "mlflow_loaded": "mlflow" in sys.modules,
