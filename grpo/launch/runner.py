@@ -263,7 +263,6 @@ def run_sft(cfg: Config, *, force: bool = False, log: Callable[[str], None] = pr
     out = reference_dir(cfg)
     if not cfg.sft.enabled:
         return out
-    base = base_model_dir(cfg)
     # a second pipeline of the same config waits here, then finds the cache
     with file_lock(out.with_name(out.name + ".lock")):
         if (out / "config.json").exists() and (out / "sft_summary.json").exists() and not force:
@@ -273,7 +272,7 @@ def run_sft(cfg: Config, *, force: bool = False, log: Callable[[str], None] = pr
                 return out
             log(f"SFT reference cache at {out} is damaged ({damage}): building it again")
             shutil.rmtree(out)
-        _build_reference(cfg, base, out, log)
+        _build_reference(cfg, out, log)
         write_manifest(out)
     return out
 
@@ -309,16 +308,21 @@ def cache_damage(out: Path) -> str | None:
     return None
 
 
-def _build_reference(cfg: Config, base: Path, out: Path, log: Callable[[str], None]) -> None:
+def _build_reference(cfg: Config, out: Path, log: Callable[[str], None]) -> None:
+    if not _distributed(cfg):
+        from grpo.launch.environment import import_deepspeed_without_mlflow
+
+        # `grpo sft`/`grpo train` (a pipeline has loaded mlflow already), before the base model
+        # is built: saving it imports DeepSpeed too (through accelerate)
+        import_deepspeed_without_mlflow()
+    base = base_model_dir(cfg)
     if _distributed(cfg):
         cfg_path = write_config(cfg, out.with_name(out.name + "_config.yaml"))
         run_launches(launches(cfg, _worker("sft", cfg_path, "--base", str(base))), log)
     else:
         from grpo.data.sets import training_sets
         from grpo.engine.sft import train_reference
-        from grpo.launch.environment import import_deepspeed_without_mlflow
 
-        import_deepspeed_without_mlflow()  # `grpo sft`/`grpo train`; a pipeline has mlflow
         summary = train_reference(cfg, base, out, training_sets(cfg))
         (out / "sft_summary.json").write_text(json.dumps(summary, indent=2))
 
