@@ -21,12 +21,12 @@ def _local_database_lock() -> Iterator[None]:
     nothing when another database is configured."""
     from prefect.settings import get_current_settings
 
-    url = get_current_settings().server.database.connection_url
+    settings = get_current_settings()
+    url = settings.server.database.connection_url
     if not (url.get_secret_value() if url is not None else "").startswith("sqlite"):
         yield
         return
-    home = Path(get_current_settings().home)
-    with file_lock(home / "grpo-server-start.lock"):
+    with file_lock(Path(settings.home) / "grpo-server-start.lock"):
         yield
 
 

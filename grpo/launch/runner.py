@@ -309,22 +309,20 @@ def cache_damage(out: Path) -> str | None:
 
 
 def _build_reference(cfg: Config, out: Path, log: Callable[[str], None]) -> None:
-    if not _distributed(cfg):
-        from grpo.launch.environment import import_deepspeed_without_mlflow
-
-        # `grpo sft`/`grpo train` (a pipeline has loaded mlflow already), before the base model
-        # is built: saving it imports DeepSpeed too (through accelerate)
-        import_deepspeed_without_mlflow()
-    base = base_model_dir(cfg)
     if _distributed(cfg):
         cfg_path = write_config(cfg, out.with_name(out.name + "_config.yaml"))
-        run_launches(launches(cfg, _worker("sft", cfg_path, "--base", str(base))), log)
-    else:
-        from grpo.data.sets import training_sets
-        from grpo.engine.sft import train_reference
+        base = str(base_model_dir(cfg))
+        run_launches(launches(cfg, _worker("sft", cfg_path, "--base", base)), log)
+        return
+    from grpo.data.sets import training_sets
+    from grpo.engine.sft import train_reference
+    from grpo.launch.environment import import_deepspeed_without_mlflow
 
-        summary = train_reference(cfg, base, out, training_sets(cfg))
-        (out / "sft_summary.json").write_text(json.dumps(summary, indent=2))
+    # `grpo sft`/`grpo train` (a pipeline has loaded mlflow already), before the base model is
+    # built: saving it imports DeepSpeed too (through accelerate)
+    import_deepspeed_without_mlflow()
+    summary = train_reference(cfg, base_model_dir(cfg), out, training_sets(cfg))
+    (out / "sft_summary.json").write_text(json.dumps(summary, indent=2))
 
 
 def run_grpo(
