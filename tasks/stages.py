@@ -123,11 +123,14 @@ def dataset_inputs(cfg: Config) -> list[Any]:
         named[f"heldout_{set_label(n)}"] = (eval_set(n, cfg), source(path, n), "evaluation")
     out = []
     for name, (rows, src, context) in named.items():
-        with warnings.catch_warnings():  # schema hints, two equivalent local-file sources
+        # schema hints, two equivalent local-file sources; the schema is inferred in to_dict()
+        # (lazily), so it is inside too: outside, five hints a run reached the log
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             ds = mlflow.data.from_pandas(pd.DataFrame(rows), source=src, name=name)
+            dataset = Dataset(**ds.to_dict())
         tag = InputTag(key="mlflow.data.context", value=context)
-        out.append(DatasetInput(dataset=Dataset(**ds.to_dict()), tags=[tag]))
+        out.append(DatasetInput(dataset=dataset, tags=[tag]))
     return out
 
 
