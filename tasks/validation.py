@@ -103,7 +103,7 @@ def validate_datasets(cfg: Config, docs_dir: Path) -> dict[str, Any]:
     ctx = gx.get_context(mode="ephemeral")
     # GE draws a bar per expectation batch ("Calculating Metrics", about ten lines per dataset
     # in a log); our own bar below counts the rows of every dataset instead
-    ctx.variables.progress_bars = ProgressBarsConfig(globally=False, metric_calculations=False)
+    ctx.variables.progress_bars = ProgressBarsConfig(globally=False)
     site = "grpo_data_docs"
     ctx.add_data_docs_site(
         site_name=site,

@@ -74,7 +74,7 @@ def test_wheel_and_source_pipelines_share_a_fresh_store(tmp_path):
     (tmp_path / "outs.txt").write_text("\n=====\n".join(outs))
     assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
     # one progress bar for the validation, ours: none of Great Expectations' per batch
-    assert [o.count("validate:") > 0 for o in outs] == [True, True]
+    assert all("validate:" in o for o in outs)
     assert not [o for o in outs if "Calculating Metrics" in o]
     # nor MLflow's schema hints on the logged datasets (five a run, before)
     assert not [o for o in outs if "Inferred schema" in o]
