@@ -137,6 +137,14 @@ class Served:
         with urllib.request.urlopen(req, timeout=30) as r:
             return json.loads(r.read())["state"]["type"]
 
+    def why(self, run_id: str, lines: int = 40) -> str:
+        """A flow run's state, its message and its last log lines: what a failed run said."""
+        state = self.api_get(f"/flow_runs/{run_id}")["state"]
+        query = {"logs": {"flow_run_id": {"any_": [run_id]}}, "sort": "TIMESTAMP_DESC"}
+        logs = self.api_post("/logs/filter", {**query, "limit": lines})
+        said = "\n".join(f"  {x['message']}" for x in reversed(logs))
+        return f"{run_id} {state['type']}: {state.get('message')}\n{said}"
+
     def wait_state(self, run_id: str, leave: tuple[str, ...], seconds: float, what: str) -> str:
         """Poll the flow run until its state is not in `leave`; fail naming `what` otherwise."""
         deadline = time.time() + seconds

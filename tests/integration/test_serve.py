@@ -204,6 +204,10 @@ def test_a_triggered_deployment_runs_on_the_worker_and_lands_in_the_mlflow_serve
         assert note["body"]["alert"] == "flow run failed" and note["body"]["state"] == "Failed"
         assert "grpo.steps" in note["body"]["message"] and DEPLOYMENT in note["body"]["deployment"]
         assert note["body"]["url"].endswith(f"/runs/flow-run/{bad['id']}")
+        # and the flow run's own state message and log in Prefect (what its UI page shows)
+        said = s.why(bad["id"])
+        assert "FAILED: Flow run encountered an exception: ConfigError" in said, said
+        assert said.count("grpo.steps: Input should be greater than 0") >= 2, said
         print("failure alert as received:", json.dumps(note["body"], indent=1))
         # and, no run having completed for 15 s, the nightly's staleness alert
         hook.wait_for(lambda b: b.get("alert", "").startswith("no completed run"), 60,
@@ -245,7 +249,9 @@ def test_a_triggered_deployment_runs_on_the_worker_and_lands_in_the_mlflow_serve
         ended = [s.flow_run_state(r) for r in runs]
         print(f"4 flow runs on 2 workers ended {ended} after {took:.0f}s, at most "
               f"{most_at_once} at once; peak memory (MB): {peak}")  # fmt: skip
-        assert ended == ["COMPLETED"] * 4, s.out.read_text()[-3000:]
+        assert ended == ["COMPLETED"] * 4, "\n".join(
+            s.why(r) for r, st in zip(runs, ended, strict=True) if st != "COMPLETED"
+        )
         assert restarted is not None, "no GRPO stage was seen running"
         print(f"PostgreSQL restarted in {restarted[1]:.1f}s while {restarted[0]} trained")
         assert most_at_once <= 2  # the concurrency limit held
