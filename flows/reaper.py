@@ -69,12 +69,14 @@ class Reaper:
         parents = self._search(
             f"tags.`{FLOW_RUN_TAG}` = '{flow_run_id}' and attributes.status = 'RUNNING'"
         )
-        runs = [p["info"]["run_id"] for p in parents]
-        for pid in list(runs):
+        runs: list[str] = []
+        for pid in [p["info"]["run_id"] for p in parents]:
             kids = self._search(
                 f"tags.mlflow.parentRunId = '{pid}' and attributes.status = 'RUNNING'"
             )
-            runs += [k["info"]["run_id"] for k in kids]
+            # a parent's stage runs before the parent: whoever sees the parent ended (the UI,
+            # a script polling it) never finds one of its stages still RUNNING
+            runs += [k["info"]["run_id"] for k in kids] + [pid]
         now = int(time.time() * 1000)
         said = f"grpo serve: Prefect flow run {flow_run_id} crashed ({why})"
         for rid in runs:
