@@ -43,13 +43,8 @@ def grpo_pipeline(params: PipelineParams = PipelineParams()) -> Any:  # noqa: B0
     cfg = load_config(params.config, params.overrides)
     approval.check_reachable(cfg)
     c = tracking.client(cfg)
-    exp = c.get_experiment_by_name(cfg.tracking.experiment)
-    if exp is not None:
-        exp_id = exp.experiment_id
-    else:  # a sqlite store's artifacts beside its file, not in the working directory
-        where = tracking.artifact_location(tracking.tracking_uri(cfg))
-        exp_id = c.create_experiment(cfg.tracking.experiment, artifact_location=where)
-    if exp is None or tracking.EXPERIMENT_KIND[0] not in exp.tags:
+    exp_id, tags = tracking.experiment(c, cfg.tracking.experiment, tracking.tracking_uri(cfg))
+    if tracking.EXPERIMENT_KIND[0] not in tags:
         # the experiment declares itself a model-training one; MLflow 3.17's UI still needs
         # MODEL_TRAINING_VIEW in the address to open the runs list in a fresh browser
         c.set_experiment_tag(exp_id, *tracking.EXPERIMENT_KIND)

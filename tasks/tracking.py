@@ -42,6 +42,24 @@ def artifact_location(uri: str) -> str | None:
     return None
 
 
+def experiment(c: Any, name: str, uri: str) -> tuple[str, dict[str, str]]:
+    """The id and tags of experiment `name` of store `uri`, created (no tags) when missing. Two
+    pipelines started at once on a new experiment (a deployment's first runs on two workers)
+    both find none: the second's create is refused as a duplicate and it takes the first's,
+    instead of failing its flow run (seen in CI)."""
+    from mlflow.exceptions import MlflowException
+
+    if (exp := c.get_experiment_by_name(name)) is not None:
+        return exp.experiment_id, dict(exp.tags)
+    try:
+        return c.create_experiment(name, artifact_location=artifact_location(uri)), {}
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_ALREADY_EXISTS" or (
+            exp := c.get_experiment_by_name(name)) is None:  # fmt: skip
+            raise
+        return exp.experiment_id, dict(exp.tags)
+
+
 _SCHEMA_READY: set[str] = set()  # sqlite stores this process has opened under the lock
 
 

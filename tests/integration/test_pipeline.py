@@ -636,6 +636,36 @@ def test_sft_reference_cache_hit(tmp_path):
     assert reference_dir(files) != before
 
 
+def test_a_pipeline_that_looked_before_another_created_the_experiment_takes_it(store):
+    """Two pipelines started at once on a new experiment both find none; the one whose create
+    comes second is refused as a duplicate, and must go on in the first one's experiment."""
+    from mlflow import MlflowClient
+
+    from tasks.tracking import EXPERIMENT_KIND, experiment
+
+    _, uri = store
+
+    class LookedTooEarly(MlflowClient):
+        """It searched for the experiment in the instant before the other pipeline made it."""
+
+        looked = False
+
+        def get_experiment_by_name(self, name):  # noqa: ANN001, ANN201
+            if not self.looked:
+                self.looked = True
+                return None
+            return super().get_experiment_by_name(name)
+
+    first = MlflowClient(uri, uri)
+    made, tags = experiment(first, "created-at-once", uri)
+    assert tags == {}
+    first.set_experiment_tag(made, *EXPERIMENT_KIND)
+    late = LookedTooEarly(uri, uri)
+    assert experiment(late, "created-at-once", uri) == (made, dict([EXPERIMENT_KIND]))
+    assert late.looked
+    assert [e.name for e in first.search_experiments()].count("created-at-once") == 1
+
+
 def test_metrics_survive_an_unreachable_tracking_server(tmp_path, store):
     """Uploads fail while the server is away; nothing is lost once it is back."""
     import json
