@@ -63,9 +63,27 @@ def last_number_matches(text: str, gold: str) -> bool:
         return False
 
 
+# the one-off warm-up's limit: a fixed small input, so only a stalled process comes near it
+WARM_LIMIT_S = 60
+
+
+@functools.cache
+def _warm_math_verify() -> None:
+    """math-verify's first parse and verify in a process load its LaTeX grammar and the parts
+    of sympy that are imported lazily: 0.3-0.7 CPU-s, paid inside the first real call's 1-s
+    alarm, which is wall-clock time. On a loaded machine that alarm fired first and a correct
+    answer scored 0 (seen in the test suite: x^2+2x+1 against (x+1)^2). Paid once per process
+    here, on a fixed input, under a limit no healthy process reaches."""
+    from math_verify import parse, verify
+
+    gold = parse("$(x+1)^2$", parsing_timeout=WARM_LIMIT_S)
+    verify(gold, parse("$x^2+2x+1$", parsing_timeout=WARM_LIMIT_S), timeout_seconds=WARM_LIMIT_S)
+
+
 def _parse(text: str, wrap: bool) -> list:
     from math_verify import parse
 
+    _warm_math_verify()
     first = f"${text}$" if wrap else text
     second = text if wrap else f"${text}$"
     parsed = parse(first, parsing_timeout=TIME_LIMIT_S)

@@ -66,6 +66,44 @@ def test_garbage_and_huge_inputs_score_zero_quickly(garbage):
     assert time.perf_counter() - t < 6.0  # parse + verify limits of 1 s each, plus the gold
 
 
+def test_a_processs_first_symbolic_answer_scores_on_a_loaded_cpu():
+    """math-verify's alarms are wall-clock seconds, and its first parse and verify in a process
+    load grammar and sympy code. A process that shares its core with nine busy ones (a loaded
+    machine, in the extreme) must still score a correct first answer 1, not 0 by a timeout."""
+    import os
+    import subprocess
+    import sys
+
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("needs Linux CPU affinity")
+    core = sorted(os.sched_getaffinity(0))[0]
+    # the child imports first, then joins the busy core on "go": only its first scoring is
+    # slowed, and the busy processes run for those few seconds only
+    code = (
+        "import os, sys, math_verify, sympy\n"
+        "from reward_fns import accuracy\n"
+        "print('ready', flush=True); sys.stdin.readline()\n"
+        f"os.sched_setaffinity(0, {{{core}}})\n"
+        "print(accuracy(['$\\\\boxed{x^2+2x+1}$', '\\\\sqrt{8}'], ['(x+1)^2', '2\\\\sqrt{2}']))"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             cwd=DATA.parent)  # fmt: skip
+    assert child.stdout.readline().strip() == "ready"
+    spin = f"import os; os.sched_setaffinity(0, {{{core}}})\nwhile True: pass"
+    busy = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(9)]
+    try:
+        time.sleep(0.5)  # the busy ones on their core before the child joins them
+        out, _ = child.communicate("go\n", timeout=120)
+    finally:
+        for b in busy:
+            b.kill()
+            b.wait()
+        child.kill()
+    assert child.returncode == 0, out[-2000:]
+    assert out.strip().splitlines()[-1] == "[1.0, 1.0]", out
+
+
 def test_accuracy_works_off_the_main_thread():
     out = []
     t = threading.Thread(target=lambda: out.append(accuracy(["<answer>4</answer>"], ["4"])))
