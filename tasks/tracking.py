@@ -46,7 +46,7 @@ def experiment(c: Any, name: str, uri: str) -> tuple[str, dict[str, str]]:
     """The id and tags of experiment `name` of store `uri`, created (no tags) when missing. Two
     pipelines started at once on a new experiment (a deployment's first runs on two workers)
     both find none: the second's create is refused as a duplicate and it takes the first's,
-    instead of failing its flow run (seen in CI)."""
+    instead of failing its flow run (the likely cause of a serve test's failed run in CI)."""
     from mlflow.exceptions import MlflowException
 
     if (exp := c.get_experiment_by_name(name)) is not None:
