@@ -70,7 +70,7 @@ WARM_LIMIT_S = 60
 @functools.cache
 def _warm_math_verify() -> None:
     """math-verify's first parse and verify in a process load its LaTeX grammar and the parts
-    of sympy that are imported lazily: 0.3-0.7 CPU-s, paid inside the first real call's 1-s
+    of sympy that are imported lazily: 0.5-0.7 CPU-s, paid inside the first real call's 1-s
     alarm, which is wall-clock time. On a loaded machine that alarm fired first and a correct
     answer scored 0 (seen in the test suite: x^2+2x+1 against (x+1)^2). Paid once per process
     here, on a fixed input, under a limit no healthy process reaches."""
