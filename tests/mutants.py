@@ -69,6 +69,10 @@ MUTANTS = [
      '    sys.modules["mlflow"] = None  # type: ignore[assignment]\n', "",
      "tests/unit/test_environment.py::test_a_rank_imports_deepspeed_without_mlflow_and_can_still_"
      "import_it"),
+    ("a GGUF conversion leaves gguf's reader cached", "grpo/models/gguf.py",
+     "        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map", "        pass",
+     "tests/unit/test_gguf.py::test_a_conversion_parses_the_file_once_and_puts_gguf_back_however_"
+     "it_ends"),
 ]  # fmt: skip
 
 

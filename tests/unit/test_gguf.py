@@ -31,3 +31,29 @@ def test_missing_readers_are_named_with_the_install_command(tmp_path, monkeypatc
     assert not (tmp_path / "cache").exists() or not any(
         (tmp_path / "cache").glob("m-*/config.json")
     )
+
+
+@pytest.mark.real
+def test_a_conversion_parses_the_file_once_and_puts_gguf_back_however_it_ends(tmp_path):
+    """transformers builds gguf's reader three times and its name map once per module in one
+    conversion (about 12 of SmolLM2's 28 CPU-s): inside it each is built once; after it, even one
+    that failed, gguf's own functions are back."""
+    gg = pytest.importorskip("gguf", reason="the real extra (make install-real)")
+    import numpy as np
+
+    f = tmp_path / "t.gguf"
+    w = gg.GGUFWriter(str(f), "llama")
+    w.add_tensor("token_embd.weight", np.zeros((4, 2), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    reader, name_map = gg.GGUFReader, gg.get_tensor_name_map
+    with pytest.raises(RuntimeError, match="conversion failed"), gguf._parsed_once():
+        first = gg.GGUFReader(f)
+        assert gg.GGUFReader(f) is first and first.tensors[0].name == "token_embd.weight"
+        arch = gg.MODEL_ARCH.LLAMA
+        assert gg.get_tensor_name_map(arch, 2) is gg.get_tensor_name_map(arch, 2)
+        raise RuntimeError("conversion failed")
+    assert (gg.GGUFReader, gg.get_tensor_name_map) == (reader, name_map)
+    assert gg.GGUFReader(f) is not gg.GGUFReader(f)
