@@ -10,11 +10,14 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 # DeepSpeed's compiled ops inside the environment (grpo.launch.environment.extensions_dir)
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 CONFIG ?= configs/tiny.yaml
+# the interpreter of .venv: by default the fastest CPython 3.11 here (infra/pick_python.sh says why)
+PYTHON ?=
 
 .PHONY: install install-real run test test-fast lint serve bench clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
-	python3 -m venv $(VENV)
+	py="$(PYTHON)"; [ -n "$$py" ] || py=$$(infra/pick_python.sh) && \
+	  echo "creating $(VENV) with $$py" && "$$py" -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build
 	$(PY) -m pip install -q torch==2.13.0
