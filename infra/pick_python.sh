@@ -8,7 +8,7 @@
 # 3.11 only: constraints.txt pins versions tested together on 3.11. `make PYTHON=...` overrides.
 set -u
 CANDIDATES=(python3.11 python3 /usr/bin/python3.11 /usr/local/bin/python3.11)
-# one start per candidate: it checks itself, then prints its real path and the best of five
+# one start per candidate: it checks itself, then prints its real path and the best of 15
 # runs of a pure-Python loop (~0.07 s; the import-heavy work is pure Python too)
 PROBE='
 import ensurepip, sys, time, venv
@@ -17,7 +17,7 @@ def work():
     d = {str(i): (i * 7) % 13 for i in range(200_000)}
     return sorted(d.items(), key=lambda kv: kv[1])[:3]
 ts = []
-for _ in range(5):
+for _ in range(15):
     t0 = time.perf_counter()
     work()
     ts.append(time.perf_counter() - t0)
