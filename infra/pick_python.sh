@@ -8,7 +8,7 @@
 # 3.11 only: constraints.txt pins versions tested together on 3.11. `make PYTHON=...` overrides.
 set -u
 CANDIDATES=(python3.11 python3 /usr/bin/python3.11 /usr/local/bin/python3.11)
-# one start per candidate: it checks itself, then prints its real path and the best of 15
+# one start per candidate: it checks itself, then prints its path and the best of 15
 # runs of a pure-Python loop (~0.07 s; the import-heavy work is pure Python too)
 PROBE='
 import ensurepip, sys, time, venv
@@ -26,9 +26,10 @@ print(sys.executable, f"{min(ts):.6f}")
 best="" best_t="" seen=" "
 for c in "${CANDIDATES[@]}"; do
     p=$(command -v "$c" 2>/dev/null) || continue
-    read -r real t < <("$p" -c "$PROBE" 2>/dev/null) || continue
-    case "$seen" in *" $real "*) continue ;; esac  # one interpreter under two names
+    real=$(readlink -f "$p")
+    case "$seen" in *" $real "*) continue ;; esac  # one interpreter under two names: probe once
     seen="$seen$real "
+    read -r _ t < <("$p" -c "$PROBE" 2>/dev/null) || continue
     if [ -z "$best" ] || awk "BEGIN{exit !($t < $best_t)}"; then
         best=$p best_t=$t
     fi

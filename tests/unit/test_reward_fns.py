@@ -1,6 +1,8 @@
 """Reward functions on real GSM8K and MATH-500 answers; garbage and huge inputs stay fast."""
 
 import json
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -256,3 +258,36 @@ def test_the_plain_number_shortcut_agrees_with_math_verify(gold):
     from reward_fns.accuracy import _gold_parses, gold_parses
 
     assert gold_parses(gold) is True and _gold_parses(gold) is True
+
+
+_STALLED_GOLD_CHECK = r"""
+import os, signal, sys
+from reward_fns.accuracy import _warm_math_verify, gold_parses
+
+_warm_math_verify()
+# stop this process after 20 ms of its own CPU time, in the middle of the parse (0.28 CPU-s),
+# as a busy machine does to it; the test continues it 1.5 s later
+signal.signal(signal.SIGVTALRM, lambda *_: os.kill(os.getpid(), signal.SIGSTOP))
+signal.setitimer(signal.ITIMER_VIRTUAL, 0.02)
+print(gold_parses(sys.argv[1]))
+"""
+
+
+def test_a_gold_answer_still_parses_when_its_process_is_stalled_mid_parse():
+    """Validation's check that a gold answer parses must not depend on how busy the machine is:
+    math-verify's timeout is a wall-clock alarm, and a stall of 1.5 s in the first parse of
+    MATH-500's precalculus/499 answer made the whole pipeline fail validation (seen in a full
+    test run on 2 cores). The stall here is a real SIGSTOP of the process mid-parse."""
+    import subprocess
+    import sys
+
+    gold = r"\left[ \frac{\pi^2}{8}, \frac{5 \pi^2}{4} \right]"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _STALLED_GOLD_CHECK, gold], stdout=subprocess.PIPE, text=True
+    )
+    _, status = os.waitpid(proc.pid, os.WUNTRACED)
+    assert os.WIFSTOPPED(status), "the check finished before its stall: nothing was tested"
+    time.sleep(1.5)
+    os.kill(proc.pid, signal.SIGCONT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and out.strip() == "True"
