@@ -95,6 +95,10 @@ def _parse(text: str, wrap: bool, limit_s: int = TIME_LIMIT_S) -> list:
     return parsed if parsed else parse(second, parsing_timeout=limit_s)
 
 
+def _parse_gold(gold: str) -> list:
+    return _parse(gold, wrap=True, limit_s=GOLD_LIMIT_S)
+
+
 def is_correct(prediction: str, gold: str) -> bool:
     """True when the prediction's final answer is mathematically equal to the gold answer."""
     return answer_matches(extract_answer(prediction)[-MAX_ANSWER_CHARS:], str(gold))
@@ -127,7 +131,7 @@ def answer_matches(answer: str, gold: str) -> bool:
 def _math_verify_matches(answer: str, gold: str, written_integer: bool = False) -> bool:
     from math_verify import verify
 
-    gold_parsed = _parse(gold, wrap=True, limit_s=GOLD_LIMIT_S)
+    gold_parsed = _parse_gold(gold)
     pred_parsed = _parse(answer, wrap=False)
     if not gold_parsed or not pred_parsed:
         return False
@@ -151,7 +155,7 @@ def gold_parses(gold: str) -> bool:
 
 @functools.lru_cache(maxsize=65536)
 def _gold_parses(gold: str) -> bool:
-    return any(not isinstance(x, str) for x in _parse(gold, wrap=True, limit_s=GOLD_LIMIT_S))
+    return any(not isinstance(x, str) for x in _parse_gold(gold))
 
 
 def _score_batch(texts: list[str], answers: list[str]) -> list[float]:
