@@ -132,7 +132,8 @@ def _train_with_control(
     cfg: Any, pid: str, ref: str, run_dir: Path, control: bool
 ) -> tuple[dict[str, Any], str | None]:
     """GRPO, and the SFT control for the same wall time: beside it, each on half the cores,
-    following its pace file, or after it for its seconds (sft.control)."""
+    following its pace file, or after it for its seconds (sft.control); or after it for
+    sft.control_steps steps."""
     from grpo.engine.pace import PACE_FILE, mark_done
     from tasks import stages
     from tasks.tracking import read_jsonl
@@ -142,6 +143,11 @@ def _train_with_control(
     if not (control and cfg.has_worked_solutions):
         return stages.train_policy(cfg, pid, ref, run_dir), None
     ctl_dir = run_dir / "sft_continued"
+    if cfg.sft.control_steps:  # a step budget: the same weights every run, after GRPO
+        trained = stages.train_policy(cfg, pid, ref, run_dir)
+        if (ctl_dir / "control_summary.json").exists():  # resumed: it had finished
+            return trained, str(ctl_dir)
+        return trained, stages.sft_control(cfg, pid, ref, run_dir, steps=cfg.sft.control_steps)
     if (run_dir / "grpo" / "checkpoints" / "latest").exists():
         # a resumed pipeline: GRPO continues from its checkpoint; a control that finished is
         # kept, one that did not trains after GRPO for all of GRPO's training time

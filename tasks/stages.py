@@ -289,23 +289,27 @@ def sft_control(
     *,
     seconds: float | None = None,
     follow: Path | None = None,
+    steps: int | None = None,
     threads: int | None = None,
 ) -> str:
     """The honest control: the SFT reference trained on for the GRPO stage's wall time, after
-    it (seconds) or beside it until its pace file says done (follow)."""
+    it (seconds) or beside it until its pace file says done (follow); or, to reproduce a
+    control exactly, for a fixed number of steps (sft.control_steps)."""
     from grpo.launch.runner import run_control
 
     log = get_run_logger()
     out = run_dir / "sft_continued"
     with stage_run(cfg, parent_id, "sft_continued") as run_id:
         summary = run_control(cfg, Path(reference), out, seconds=seconds, follow=follow,
-                              log=log.info, env=_thread_env(threads))  # fmt: skip
+                              steps=steps, log=log.info, env=_thread_env(threads))  # fmt: skip
         c = tracking.client(cfg)
         rows = tracking.read_jsonl(out.with_name(out.name + "_metrics.jsonl"))
         tracking.log_step_metrics(c, run_id, rows, prefix="sft_continued/")
         c.log_metric(run_id, "sft_continued/seconds", float(summary["seconds"]))
         c.log_metric(run_id, "sft_continued/steps", float(summary["steps"]))
         c.set_tag(run_id, "control_mode", "concurrent" if follow else "sequential")
+        # what ended it: GRPO's wall time (moves between runs of one seed) or a step count
+        c.set_tag(run_id, "control_budget", "steps" if steps else "wall_time")
         if threads:
             c.set_tag(run_id, "threads", str(threads))
     return str(out)

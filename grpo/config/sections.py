@@ -159,6 +159,13 @@ class SFTConfig(Strict):
         "same wall time (concurrent), or after it for GRPO's seconds on the whole device "
         "(sequential); auto: concurrent for one CPU process, sequential on GPUs or several ranks",
     )
+    control_steps: int | None = Field(
+        None, gt=0, le=10_000_000,
+        description="a fixed budget of SFT steps for the control instead of GRPO's wall time, "
+        "its learning rate annealed over them; it then runs after GRPO. A wall-time control "
+        "moves between runs of one seed; this one gives the same weights every time (e.g. the "
+        "sft_continued/steps a run logged)",
+    )  # fmt: skip
     warmup_steps: int = Field(20, ge=0)
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping of SFT steps")

@@ -84,17 +84,25 @@ def _val_loss(engine: Any, data: list, pad: int, device: torch.device, bs: int) 
 
 
 class _Budget:
-    """The control's budget: seconds from the first call, or the progress of a followed run."""
+    """The control's budget: seconds from the first call, the progress of a followed run, or a
+    number of its own steps (the one budget that does not depend on how fast anything ran)."""
 
-    def __init__(self, seconds: float | None, follow: Path | None) -> None:
-        if seconds is not None and follow is not None:
-            raise ValueError("give the control a budget in seconds or a run to follow, not both")
-        self.seconds, self.follow = seconds, follow
+    def __init__(
+        self, seconds: float | None, follow: Path | None, steps: int | None = None
+    ) -> None:
+        if sum(x is not None for x in (seconds, follow, steps)) > 1:
+            raise ValueError("give the control one budget: seconds, a run to follow, or steps")
+        if steps is not None and steps < 1:
+            raise ValueError(f"the control's step budget must be at least 1, got {steps}")
+        self.seconds, self.follow, self.steps = seconds, follow, steps
         self.t0: float | None = None
         self.done = False
+        self.step = 0  # steps taken, set by the training loop
 
     def fraction(self) -> float:
         """Called by the learning-rate schedule at every optimizer step (warmup included)."""
+        if self.steps is not None:
+            return self.step / self.steps
         if self.follow is not None:
             # one read per step: `spent` after the step uses the done flag read here
             frac, self.done = read_pace(self.follow)
@@ -106,6 +114,8 @@ class _Budget:
         return (time.time() - self.t0) / self.seconds
 
     def spent(self) -> bool:
+        if self.steps is not None:
+            return self.step >= self.steps
         if self.follow is not None:
             return self.done
         return self.seconds is not None and self.fraction() >= 1.0
@@ -133,11 +143,13 @@ def train_reference(
 def train_control(
     cfg: Config, policy_dir: str | Path, out_dir: str | Path, sets: dict[str, list[dict]],
     *, max_seconds: float | None = None, follow: Path | None = None,
+    max_steps: int | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """The control: SFT continued from policy_dir for GRPO's wall time, given in seconds
-    (max_seconds) or by following GRPO's pace file (follow), its learning rate annealed over
-    that budget whatever the plateaus; its last weights go to out_dir."""
-    budget = _Budget(max_seconds, follow)
+    (max_seconds) or by following GRPO's pace file (follow), or for max_steps steps
+    (sft.control_steps), its learning rate annealed over that budget whatever the plateaus;
+    its last weights go to out_dir."""
+    budget = _Budget(max_seconds, follow, max_steps)
     return _train(cfg, policy_dir, out_dir, sets, itertools.count(), budget=budget,
                   progress=False)  # fmt: skip
 
@@ -207,6 +219,10 @@ def _train(
             batch = _collate([train[i] for i in idx], tok.pad_token_id, device)
             loss_sum, n = _token_loss(engine, batch)
             engine.backward(loss_sum / max(n, 1))
+            if budget is not None:
+                # counted before the optimizer step: the rate it sets for the next step has
+                # this one done, so that the last of a step budget's steps ends at zero
+                budget.step = step + 1
             engine.step()
             step += 1
             bar.update(1)

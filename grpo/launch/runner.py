@@ -353,15 +353,21 @@ def run_control(
     *,
     seconds: float | None = None,
     follow: Path | None = None,
+    steps: int | None = None,
     log: Callable[[str], None] = print,
     env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The SFT control: the reference trained on for `seconds`, or until the GRPO run whose
-    pace file is `follow` is done. Its weights go to out_dir."""
+    """The SFT control: the reference trained on for `seconds`, until the GRPO run whose pace
+    file is `follow` is done, or for `steps` steps (exactly one of them). Its weights go to
+    out_dir."""
+    budgets = {"--seconds": seconds, "--follow": follow, "--steps": steps}
+    given = {k: v for k, v in budgets.items() if v is not None}
+    if len(given) != 1:
+        raise ValueError(f"the control needs exactly one of seconds, follow, steps; got {given}")
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg_path = write_config(cfg, out_dir.with_name(out_dir.name + "_config.yaml"))
     args = ["--policy", str(reference), "--out", str(out_dir)]
-    args += ["--seconds", str(seconds)] if seconds is not None else ["--follow", str(follow)]
+    args += [a for k, v in given.items() for a in (k, str(v))]
     run_launches(launches(cfg, _worker("control", cfg_path, *args)), log, env)
     return _summary(out_dir / "control_summary.json", "control")
 

@@ -116,7 +116,7 @@ def test_end_to_end_logs_registers_and_loads(store):
     grpo_run = by_name["grpo"].info.run_id
     # on the CPU the control trains beside GRPO, each on half the cores, until GRPO is done
     ctl = by_name["sft_continued"].data
-    assert ctl.tags["control_mode"] == "concurrent"
+    assert (ctl.tags["control_mode"], ctl.tags["control_budget"]) == ("concurrent", "wall_time")
     assert (
         ctl.tags["threads"]
         == by_name["grpo"].data.tags["threads"]
@@ -529,10 +529,25 @@ def test_a_second_pipeline_meets_the_first_ones_champion(store):
     parent = c.get_run(first["parent_run_id"]).data.tags
     assert parent["promotion.decision"] == "promoted" and "approved by Ana" in (
         parent["promotion.reason"])  # fmt: skip
-    second = grpo_pipeline(PipelineParams(config=CONFIG, overrides=[*over, "grpo.steps=2"],
-                                          control=False))  # fmt: skip
+    # the second night with a control of a fixed step budget (sft.control_steps): after GRPO,
+    # exactly its steps, tagged so that nobody reads it as an equal-time control
+    second = grpo_pipeline(PipelineParams(
+        config=CONFIG, overrides=[*over, "grpo.steps=2", "sft.control_steps=3"]))  # fmt: skip
     v2 = str(second["registered"]["version"])
     assert v2 != v1
+    kids = by_stage(
+        c.search_runs(
+            [c.get_run(second["parent_run_id"]).info.experiment_id],
+            f"tags.mlflow.parentRunId = '{second['parent_run_id']}'",
+        )
+    )
+    ctl = kids["sft_continued"]
+    assert (ctl.data.tags["control_budget"], ctl.data.tags["control_mode"]) == (
+        "steps",
+        "sequential",
+    )
+    assert ctl.data.metrics["sft_continued/steps"] == 3
+    assert ctl.info.start_time >= kids["grpo"].info.end_time
     pm = c.get_run(second["parent_run_id"]).data.metrics
     for s in ("synthetic", "synthetic_ood"):  # every set, on the same problems
         assert pm[f"grpo/eval/{s}/diff_vs_champion"] == pytest.approx(

@@ -234,13 +234,16 @@ def test_the_control_follows_the_grpo_run_it_runs_beside(tmp_path):
     assert read_pace(pace_file) == (1.0, True)
 
 
-def test_the_sequential_control_runs_its_seconds_in_a_worker_process(tmp_path):
+def test_the_sequential_control_runs_its_seconds_or_steps_in_a_worker_process(tmp_path):
     """sft.control sequential (GPUs, several ranks): the worker's control stage trains for the
-    given seconds, anneals to zero and leaves its weights and summary."""
+    given seconds, anneals to zero and leaves its weights and summary. With a step budget
+    (sft.control_steps) it takes exactly that many steps, anneals to zero at the last, and
+    gives the same weights as the same control trained in this process: what a wall-time
+    control cannot (its step count moves with the machine's speed)."""
     import json
 
     from grpo.data.sets import training_sets
-    from grpo.engine.sft import train_reference
+    from grpo.engine.sft import train_control, train_reference
     from grpo.launch.runner import run_control
 
     cfg = small_config(tmp_path, "sft.warmup_steps=0")
@@ -251,6 +254,21 @@ def test_the_sequential_control_runs_its_seconds_in_a_worker_process(tmp_path):
     assert (tmp_path / "ctl" / "config.json").exists()
     last = [json.loads(x) for x in (tmp_path / "ctl_metrics.jsonl").open()][-1]
     assert last["step"] == summary["steps"] and last["lr"] == pytest.approx(0.0, abs=1e-6)
+
+    by_worker = run_control(cfg, ref, tmp_path / "w", steps=5, log=lambda s: None)
+    here = train_control(cfg, ref, tmp_path / "h", training_sets(cfg), max_steps=5)
+    assert by_worker["steps"] == here["steps"] == 5
+    rows = [json.loads(x) for x in (tmp_path / "w_metrics.jsonl").open()]
+    # validated at steps 2 and 4 (sft.eval_every=2) and the last; the rate recorded after
+    # step k is the cosine over 5 steps at k / 5: 0.5 (1 + cos(pi k / 5)) sft.lr, 0 at the end
+    assert [r["step"] for r in rows] == [2, 4, 5]
+    lrs = [0.5 * (1 + math.cos(math.pi * k / 5)) * cfg.sft.lr for k in (2, 4, 5)]
+    assert [r["lr"] for r in rows] == pytest.approx(lrs, abs=1e-9)
+    w = (tmp_path / "w" / "model.safetensors").read_bytes()
+    assert w == (tmp_path / "h" / "model.safetensors").read_bytes()
+    assert w != (tmp_path / "ctl" / "model.safetensors").read_bytes()
+    with pytest.raises(ValueError, match="exactly one"):
+        run_control(cfg, ref, tmp_path / "x", seconds=1.0, steps=5, log=lambda s: None)
 
 
 def test_process_mode_judges_informative_groups_by_its_own_advantages(tmp_path):
