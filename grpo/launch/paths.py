@@ -71,8 +71,10 @@ def reference_dir(cfg: Config) -> Path:
     """
     if not cfg.sft.enabled:
         return base_model_dir(cfg)
-    # how the control runs (sft.control) does not change the reference it starts from
-    keyed = cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"control": "auto"})})
+    # how the control runs (sft.control, sft.control_steps) does not change the reference it
+    # starts from
+    control = {"control": "auto", "control_steps": None}
+    keyed = cfg.model_copy(update={"sft": cfg.sft.model_copy(update=control)})
     h = hashlib.sha256(keyed.digest("model", "data", "sft", "seed").encode())
     for f in (cfg.data.train_path, cfg.data.sft_path):
         if f and Path(f).is_file():

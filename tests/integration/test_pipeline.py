@@ -637,9 +637,12 @@ def test_sft_reference_cache_hit(tmp_path):
         assert weights.read_bytes() == good  # SFT is deterministic: the same weights again
     changed = run_sft(small_config(tmp_path, "sft.lr=0.001"), log=messages.append)
     assert changed != out  # a different SFT config is a different reference
-    # edited training data (same config) is a different reference too
+    # but how the control runs is not part of it: it starts from the same reference
     from grpo.launch.paths import reference_dir
 
+    for how in ("sft.control=sequential", "sft.control_steps=7"):
+        assert reference_dir(small_config(tmp_path, how)) == out
+    # edited training data (same config) is a different reference too
     data = tmp_path / "sft.jsonl"
     rows = [{"prompt": f"{i}+1=", "answer": str(i + 1),
              "worked_solution": f"<answer>{i + 1}</answer>"} for i in range(20)]  # fmt: skip
