@@ -102,7 +102,7 @@ def test_ctrl_c_stops_a_pipeline_and_resume_continues_it(tmp_path):
     finishes the same parent run, GRPO from its checkpoint (before: a rerun started over)."""
     from mlflow import MlflowClient
 
-    sets = _sets(f"output_dir={tmp_path / 'runs'}", "grpo.steps=40", "grpo.checkpoint_every=5",
+    sets = _sets(f"output_dir={tmp_path / 'runs'}", "grpo.steps=20", "grpo.checkpoint_every=5",
                  "grpo.eval_every=0")  # fmt: skip
     proc = _start(["pipeline", *sets], cwd=tmp_path, session=True)
     _wait_for_steps(proc, "runs/tiny/*/grpo/checkpoints/latest", tmp_path)
@@ -126,14 +126,14 @@ def test_ctrl_c_stops_a_pipeline_and_resume_continues_it(tmp_path):
     assert "RUNNING" not in kids.values(), kids
     grpo_dir = tmp_path / "runs" / "tiny" / pid / "grpo"
     stopped_at = int((grpo_dir / "checkpoints" / "latest").read_text().removeprefix("step"))
-    assert stopped_at < 40
+    assert stopped_at < 20
 
     again = subprocess.run([sys.executable, "-m", "flows.cli", "pipeline", "--resume", pid, *sets],
                            cwd=tmp_path, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert again.returncode == 0, again.stderr[-3000:]
     assert c.get_run(pid).info.status == "FINISHED"
     steps = [json.loads(x)["step"] for x in (grpo_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, 41))  # continued, not started over, each step once
+    assert steps == list(range(1, 21))  # continued, not started over, each step once
     runs = c.search_runs([exp], f"tags.mlflow.parentRunId = '{pid}'")
     assert sorted(r.info.status for r in runs if r.data.tags["stage"] == "grpo") == [
         "FINISHED",
