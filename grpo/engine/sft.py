@@ -90,7 +90,8 @@ class _Budget:
     def __init__(
         self, seconds: float | None, follow: Path | None, steps: int | None = None
     ) -> None:
-        if sum(x is not None for x in (seconds, follow, steps)) > 1:
+        if sum(x is not None for x in (seconds, follow, steps)) != 1:
+            # none at all would train for ever
             raise ValueError("give the control one budget: seconds, a run to follow, or steps")
         if steps is not None and steps < 1:
             raise ValueError(f"the control's step budget must be at least 1, got {steps}")
@@ -220,8 +221,8 @@ def _train(
             loss_sum, n = _token_loss(engine, batch)
             engine.backward(loss_sum / max(n, 1))
             if budget is not None:
-                # counted before the optimizer step: the rate it sets for the next step has
-                # this one done, so that the last of a step budget's steps ends at zero
+                # counted before the optimizer step, which sets the next step's rate: that
+                # rate then has this step done, and is zero after a step budget's last step
                 budget.step = step + 1
             engine.step()
             step += 1

@@ -217,6 +217,10 @@ def test_the_control_follows_the_grpo_run_it_runs_beside(tmp_path):
     # a budget of 0 s (a resumed GRPO run with no steps left) is one step too, never endless
     zero = train_control(cfg, base_model_dir(cfg), tmp_path / "c0", sets, max_seconds=0.0)
     assert zero["steps"] == 1
+    # no budget at all would train for ever: refused before anything is loaded
+    with pytest.raises(ValueError, match="one budget"):
+        train_control(cfg, base_model_dir(cfg), tmp_path / "none", sets)
+    assert not (tmp_path / "none").exists()
 
     write_pace(pace, 1, 2)  # half way: cos(pi / 2) -> half the learning rate
     timer = threading.Timer(3.0, mark_done, [pace])
