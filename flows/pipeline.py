@@ -143,17 +143,16 @@ def _train_with_control(
     if not (control and cfg.has_worked_solutions):
         return stages.train_policy(cfg, pid, ref, run_dir), None
     ctl_dir = run_dir / "sft_continued"
-    if cfg.sft.control_steps:  # a step budget: the same weights every run, after GRPO
-        trained = stages.train_policy(cfg, pid, ref, run_dir)
-        if (ctl_dir / "control_summary.json").exists():  # resumed: it had finished
-            return trained, str(ctl_dir)
-        return trained, stages.sft_control(cfg, pid, ref, run_dir, steps=cfg.sft.control_steps)
-    if (run_dir / "grpo" / "checkpoints" / "latest").exists():
-        # a resumed pipeline: GRPO continues from its checkpoint; a control that finished is
-        # kept, one that did not trains after GRPO for all of GRPO's training time
+    steps = cfg.sft.control_steps  # a step budget: the same weights every run, after GRPO
+    if steps or (run_dir / "grpo" / "checkpoints" / "latest").exists():
+        # after GRPO: with a step budget, or in a resumed pipeline (GRPO continues from its
+        # checkpoint; a control that finished is kept, one that did not trains after GRPO for
+        # all of GRPO's training time)
         trained = stages.train_policy(cfg, pid, ref, run_dir)
         if (ctl_dir / "control_summary.json").exists():
             return trained, str(ctl_dir)
+        if steps:
+            return trained, stages.sft_control(cfg, pid, ref, run_dir, steps=steps)
         seconds = sum(
             r.get("step_time", 0.0) for r in read_jsonl(run_dir / "grpo" / "metrics.jsonl")
         )

@@ -11,8 +11,23 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 PACE_FILE = "pace.json"
+
+
+def control_budget(seconds: float | None, follow: Path | None, steps: int | None) -> dict[str, Any]:
+    """The one budget a control is given, as {"seconds" | "follow" | "steps": value}: none at
+    all would train for ever, two would contradict each other."""
+    given = {k: v for k, v in (("seconds", seconds), ("follow", follow), ("steps", steps))
+             if v is not None}  # fmt: skip
+    if len(given) != 1:
+        raise ValueError(
+            f"the control needs exactly one budget: seconds, a run to follow, or steps; got {given}"
+        )
+    if steps is not None and steps < 1:
+        raise ValueError(f"the control's step budget must be at least 1, got {steps}")
+    return given
 
 
 def write_pace(path: Path, step: int, steps: int, done: bool = False) -> None:

@@ -23,7 +23,7 @@ import torch
 from grpo.config import Config
 from grpo.engine.deepspeed_setup import build_engine, save_policy
 from grpo.engine.distributed import all_reduce_sum, init_distributed
-from grpo.engine.pace import read_pace
+from grpo.engine.pace import control_budget, read_pace
 from grpo.engine.schedules import PlateauLR, paced_cosine
 from grpo.models.loading import device_for, load_model, load_tokenizer
 from grpo.models.prompts import render_prompt
@@ -90,11 +90,7 @@ class _Budget:
     def __init__(
         self, seconds: float | None, follow: Path | None, steps: int | None = None
     ) -> None:
-        if sum(x is not None for x in (seconds, follow, steps)) != 1:
-            # none at all would train for ever
-            raise ValueError("give the control one budget: seconds, a run to follow, or steps")
-        if steps is not None and steps < 1:
-            raise ValueError(f"the control's step budget must be at least 1, got {steps}")
+        control_budget(seconds, follow, steps)
         self.seconds, self.follow, self.steps = seconds, follow, steps
         self.t0: float | None = None
         self.done = False

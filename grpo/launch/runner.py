@@ -360,14 +360,13 @@ def run_control(
     """The SFT control: the reference trained on for `seconds`, until the GRPO run whose pace
     file is `follow` is done, or for `steps` steps (exactly one of them). Its weights go to
     out_dir."""
-    budgets = {"--seconds": seconds, "--follow": follow, "--steps": steps}
-    given = {k: v for k, v in budgets.items() if v is not None}
-    if len(given) != 1:
-        raise ValueError(f"the control needs exactly one of seconds, follow, steps; got {given}")
+    from grpo.engine.pace import control_budget
+
+    given = control_budget(seconds, follow, steps)  # checked here, before a process starts
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg_path = write_config(cfg, out_dir.with_name(out_dir.name + "_config.yaml"))
     args = ["--policy", str(reference), "--out", str(out_dir)]
-    args += [a for k, v in given.items() for a in (k, str(v))]
+    args += [a for k, v in given.items() for a in (f"--{k}", str(v))]
     run_launches(launches(cfg, _worker("control", cfg_path, *args)), log, env)
     return _summary(out_dir / "control_summary.json", "control")
 
