@@ -16,12 +16,14 @@ PYTHON ?=
 .PHONY: install install-real run test test-fast lint serve bench clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
-	py="$(PYTHON)"; [ -n "$$py" ] || py=$$(infra/pick_python.sh) && \
-	  echo "creating $(VENV) with $$py" && "$$py" -m venv $(VENV)
+	# an existing .venv is updated in place: making it again with another interpreter would
+	# leave it half one Python, half the other
+	[ -x $(PY) ] || { py="$(PYTHON)"; [ -n "$$py" ] || py=$$(infra/pick_python.sh) && \
+	  echo "creating $(VENV) with $$py" && "$$py" -m venv $(VENV); }
 	$(PY) -m pip install -q --upgrade pip
-	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	# torch first, at the version constraints.txt pins: an unpinned torch pulls a multi-GB CUDA build
+	$(PY) -m pip install -q -c constraints.txt torch
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,serve]'
 	# DeepSpeed compiles its C++ ops on first use: the CPU shared-memory collective (~40 s) and
 	# the CPU Adam of deepspeed.offload_optimizer (~60-100 s): here, not in a run or a test
 	$(PY) -c "import deepspeed.ops as o; from deepspeed.accelerator import get_accelerator as a; \

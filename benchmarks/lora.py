@@ -127,7 +127,7 @@ def accuracy(a: argparse.Namespace) -> None:
         walls[name] = time.time() - t0
     steps = {n: [json.loads(x) for x in (work / n / "metrics.jsonl").open() if x.strip()]
              for n in runs}  # fmt: skip
-    ev = [sys.executable, "-m", "flows.cli", "evaluate", "--config", str(config), "--set",
+    ev = [sys.executable, "-m", "cli.main", "evaluate", "--config", str(config), "--set",
           f"output_dir={work}", "--limit", str(a.eval), "--sets", "synthetic"]  # fmt: skip
     res = subprocess.run([*ev, "--model", str(work / "lora" / "policy"), "--baseline",
                           str(work / "full" / "policy"), "--out", str(work / "ev")],

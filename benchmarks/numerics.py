@@ -77,7 +77,7 @@ def one(work: Path, name: str, extra: dict[str, str], a: argparse.Namespace) -> 
     sets = [f"output_dir={work}", f"sft.max_epochs={a.sft_epochs}", "sft.patience=100000",
             f"grpo.steps={a.grpo_steps}", "grpo.eval_every=0", *a.set]  # fmt: skip
     flags = [x for s in sets for x in ("--set", s)]
-    cli = [sys.executable, "-m", "flows.cli"]
+    cli = [sys.executable, "-m", "cli.main"]
     run([*cli, "sft", "--force", *flags], env)
     (ref,) = [p.parent for p in work.glob("sft/*/model.safetensors")]
     sft = json.loads((ref / "sft_summary.json").read_text())

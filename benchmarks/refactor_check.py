@@ -46,7 +46,7 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[])
     a = p.parse_args()
     sets = [f"grpo.steps={a.steps}", "grpo.log_completions_every=1", *a.set]
-    cmd = [sys.executable, "-m", "flows.cli", "train", "--policy", a.policy, "--out", a.out]
+    cmd = [sys.executable, "-m", "cli.main", "train", "--policy", a.policy, "--out", a.out]
     for s in sets:
         cmd += ["--set", s]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)

@@ -34,7 +34,7 @@ def pipeline(seed: int, work: Path, config: str | None, sets: list[str]) -> dict
     out.mkdir(parents=True, exist_ok=True)
     uri = f"sqlite:///{out / 'mlflow.db'}"
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri}
-    cmd = [sys.executable, "-m", "flows.cli", "pipeline", "--set", f"seed={seed}",
+    cmd = [sys.executable, "-m", "cli.main", "pipeline", "--set", f"seed={seed}",
            "--set", f"output_dir={out / 'runs'}"]  # fmt: skip
     cmd += ["--config", config] if config else []
     for s in sets:

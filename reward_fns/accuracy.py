@@ -24,9 +24,8 @@ from reward_fns.text import completion_text
 MAX_ANSWER_CHARS = 2000
 TIME_LIMIT_S = 1  # per parse and per verify call; math-verify takes whole seconds
 # A gold answer comes from the validated dataset, not from the model, so it needs no tight
-# bound. With the 1-s one, MATH-500's `\left[ \frac{\pi^2}{8}, ... \right]` (0.28 CPU-s on
-# its first parse in a process) failed validation in a full test run on 2 busy cores: the
-# alarm counts wall-clock time, and a starved process does not get its 0.28 s within 1 s.
+# bound: the alarm counts wall-clock time, and a process starved on busy cores may not get the
+# CPU time of a long gold's first parse (a MATH-500 interval) within 1 s.
 GOLD_LIMIT_S = 30
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _INTEGER = re.compile(r"-?[0-9]+")
@@ -75,9 +74,9 @@ WARM_LIMIT_S = 60
 @functools.cache
 def _warm_math_verify() -> None:
     """math-verify's first parse and verify in a process load its LaTeX grammar and the parts
-    of sympy that are imported lazily: 0.5-0.7 CPU-s, paid inside the first real call's 1-s
-    alarm, which is wall-clock time. On a loaded machine that alarm fired first and a correct
-    answer scored 0 (seen in the test suite: x^2+2x+1 against (x+1)^2). Paid once per process
+    of sympy that are imported lazily, about half a second, which would be paid inside the first
+    real call's 1-s alarm, which is wall-clock time: on a loaded machine that alarm can fire
+    first and score a correct answer 0 (x^2+2x+1 against (x+1)^2). Paid once per process
     here, on a fixed input, under a limit no healthy process reaches."""
     from math_verify import parse, verify
 

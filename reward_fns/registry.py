@@ -20,13 +20,30 @@ REWARD_FUNCS: dict[str, RewardBuilder] = {}
 PROCESS_REWARDS: dict[str, ProcessRewardFn] = {}
 
 
+class DuplicateRewardName(ValueError):
+    """A second function registered under a name already taken: the first would be lost."""
+
+
+def _claim(table: dict[str, Any], name: str, what: str) -> None:
+    if name in table:
+        raise DuplicateRewardName(
+            f"{what} {name!r} is already registered ({table[name].__module__}); pick another name"
+        )
+
+
 def reward_function(name: str) -> Callable[[RewardFn], RewardFn]:
-    """Register a plain reward function under `name`."""
+    """Register a plain reward function under `name`; a name already taken is refused.
+
+    Args:
+        name: the name a config's `grpo.reward_funcs` uses for it.
+    """
 
     def register(fn: RewardFn) -> RewardFn:
         def build(**settings: Any) -> RewardFn:
             return fn
 
+        _claim(REWARD_FUNCS, name, "reward function")
+        build.__module__ = fn.__module__
         REWARD_FUNCS[name] = build
         return fn
 
@@ -34,9 +51,15 @@ def reward_function(name: str) -> Callable[[RewardFn], RewardFn]:
 
 
 def reward_builder(name: str) -> Callable[[RewardBuilder], RewardBuilder]:
-    """Register a builder that makes a reward function from the GRPO settings."""
+    """Register a builder that makes a reward function from the GRPO settings; a name already
+    taken is refused.
+
+    Args:
+        name: the name a config's `grpo.reward_funcs` uses for it.
+    """
 
     def register(builder: RewardBuilder) -> RewardBuilder:
+        _claim(REWARD_FUNCS, name, "reward function")
         REWARD_FUNCS[name] = builder
         return builder
 
@@ -44,9 +67,14 @@ def reward_builder(name: str) -> Callable[[RewardBuilder], RewardBuilder]:
 
 
 def process_reward(name: str) -> Callable[[ProcessRewardFn], ProcessRewardFn]:
-    """Register a step-level reward function under `name` (`grpo.process_reward`)."""
+    """Register a step-level reward function under `name`; a name already taken is refused.
+
+    Args:
+        name: the name `grpo.process_reward` uses for it.
+    """
 
     def register(fn: ProcessRewardFn) -> ProcessRewardFn:
+        _claim(PROCESS_REWARDS, name, "process reward")
         PROCESS_REWARDS[name] = fn
         return fn
 

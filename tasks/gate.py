@@ -134,8 +134,8 @@ def decision_markdown(
     advice: bool | None = None,
 ) -> str:
     """The gate's decision and both paired comparisons, for where people look first: the
-    version's description, the pipeline's parent run and the Prefect flow run. (The decisive
-    comparison used to be missing when the reference check failed first.) With `advice`
+    version's description, the pipeline's parent run and the Prefect flow run; both comparisons
+    are always there, whichever check failed first. With `advice`
     (tracking.promotion: approve) the version awaits a person, the gate's verdict advises."""
     aliases = "@champion and @challenger" if promoted else "@challenger"
     if advice is not None:  # tracking.promotion: approve; the gate only advises the approver

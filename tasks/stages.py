@@ -244,7 +244,7 @@ def train_policy(
         )
         # the registered model is the last step's: choosing the best checkpoint on these
         # problems would bias the gate's paired test on the same held-out set, and favour
-        # GRPO over its control, which has no such choice (README, Promotion)
+        # GRPO over its control, which has no such choice (docs/OPERATIONS.md, promotion)
         c.set_tag(run_id, "checkpoint_models", ", ".join(
             f"step {m['step']}: {m['model_uri']}" for m in checkpoints))  # fmt: skip
         if (out / ADAPTER_DIR).is_dir():  # LoRA: the model above is merged; keep the adapter

@@ -28,7 +28,7 @@ MUTANTS = [
      "torch.tensor(eos_ids, device=ids.device).view(-1))",
      "torch.tensor(eos_ids, device=ids.device).view(-1)[:1])",
      INT + "test_real_model_path.py::test_both_engines_stop_at_either_eos_id_and_never_past_it"),
-    ("credentials matched by substring (drops eval.max_new_tokens)", "tasks/tracking.py",
+    ("credentials matched by substring (drops eval.max_new_tokens)", "tasks/tracking/params.py",
      "return any(w in SECRET_WORDS for w in words)",
      "return any(w in key.lower().rsplit('.', 1)[-1] for w in SECRET_WORDS)",
      INT + "test_resume.py::test_secrets_never_become_mlflow_params"),

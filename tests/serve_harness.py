@@ -17,7 +17,7 @@ import psutil
 import yaml
 
 from grpo.launch.runner import free_port
-from tasks.server_auth import credentials_path
+from infra.auth import credentials_path
 from tests.helpers import ROOT, small_config
 
 DEPLOYMENT = "grpo-pipeline/nightly-tiny"

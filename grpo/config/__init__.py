@@ -62,6 +62,33 @@ def prompts_split_error(prompts_per_step: int, world: int, ranks: str) -> str | 
     return None
 
 
+def _changed(section: Any, names: set[str]) -> list[str]:
+    """The fields among `names` whose value differs from the field's default (a written config
+    holds every field: one at its default says nothing the user asked for)."""
+    fields = type(section).model_fields
+    return sorted(n for n in names if getattr(section, n) != fields[n].get_default(
+        call_default_factory=True))  # fmt: skip
+
+
+def switched_off_error(cfg: Config) -> str | None:
+    """A setting given for a part that its switch turns off would be ignored without a word:
+    name the first such setting and its switch, or None."""
+    g, lora = cfg.grpo, cfg.model.lora
+    rules = [  # (the part is off, its settings changed from their defaults, section, switch)
+        (not lora.enabled, _changed(lora, set(type(lora).model_fields) - {"enabled"}),
+         "model.lora", "model.lora.enabled=true"),
+        (not g.dynamic_sampling, _changed(g, {"max_sampling_rounds"}), "grpo",
+         "grpo.dynamic_sampling=true"),
+        (g.eval_every == 0, _changed(g, {"eval_limit"}), "grpo", "grpo.eval_every > 0"),
+        ("soft_overlong" not in g.reward_funcs, _changed(g, {"overlong_cache"}), "grpo",
+         "soft_overlong in grpo.reward_funcs"),
+    ]  # fmt: skip
+    for off, given, section, switch in rules:
+        if off and given:
+            return f"{section}.{given[0]} is set but would be ignored: it needs {switch}"
+    return None
+
+
 class ConfigError(UserError, ValueError):
     """A config file or override is invalid; the message names the field."""
 
@@ -109,6 +136,8 @@ class Config(Strict):
             )
         if self.model.path and self.model.gguf:
             raise ValueError("model.path and model.gguf both name the model; give one")
+        if error := switched_off_error(self):
+            raise ValueError(error)
         return self
 
     def forward_layout(self) -> tuple[int, float]:

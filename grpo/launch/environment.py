@@ -51,7 +51,7 @@ def import_deepspeed_without_mlflow() -> None:
     rank, or `grpo sft`/`grpo train` building the reference in their own process. None of them
     talks to MLflow (a stage's Prefect task logs what its ranks wrote), but `import deepspeed`
     imports its autotuner, which imports mlflow when it is installed, and pandas, pyarrow and
-    FastAPI with it: 1-3 s of CPU in every rank on a 2-core machine (README, Tests). A None in
+    FastAPI with it: 1-3 s of CPU in every rank on a 2-core machine (docs/TESTING.md). A None in
     sys.modules makes that import fail (the autotuner, never used here, then runs without
     MLflow); removed after, so a reward function that imports mlflow still gets it."""
     if "deepspeed" in sys.modules or "mlflow" in sys.modules:

@@ -1,7 +1,7 @@
 """A GRPO run directory is never overwritten by accident, and a resume continues its own run.
 
 Checked in the parent before any rank starts: a rerun of `grpo train --out O` without --resume
-used to truncate O/metrics.jsonl, and a later --resume then loaded the old run's checkpoint
+would truncate O/metrics.jsonl, and a later --resume would then load the old run's checkpoint
 beside the new run's metrics, without a word.
 """
 

@@ -5,7 +5,7 @@ Two things keep it near the cost of the real tokens alone (benchmarks/SCALING.md
 by turning it off):
 - **Length buckets.** Rows are laid out again as [prompt, completion] with the padding at the
   end, sorted by length and run in buckets of at most `bucket_tokens` padded tokens. A batch
-  of short and long completions no longer pays the longest one's width on every row.
+  of short and long completions does not pay the longest one's width on every row.
 - **A chunked LM head.** The head is applied only at positions that predict a real completion
   token, and in chunks under activation checkpointing once its logits would pass a memory
   budget: the [tokens, vocab] logits never exist whole (at a 49k vocabulary they are most of

@@ -81,13 +81,13 @@ def _parsed_once() -> Iterator[None]:
     """Within one conversion, gguf's reader built once per file and its tensor-name map once
     per (architecture, layers).
 
-    transformers parses the whole file three times (the config, the weights, the tokenizer: about
-    5 CPU-s each, most of it gguf reading SmolLM2's 49,152-token vocabulary and its merges one
-    string at a time), and builds the name map once per module of the model (397 times, about 6
-    CPU-s). Measured for SmolLM2: 27.4 and 29.0 CPU-s a conversion before, 16.0 and 16.3 with
-    this, the directory byte for byte the same. Both are read-only results of their
-    arguments. transformers imports the two from `gguf` at each call, so swapping them on the
-    module for the conversion reaches it; they are put back after, however it ends."""
+    transformers parses the whole file three times (the config, the weights, the tokenizer),
+    most of it gguf reading a large vocabulary and its merges one string at a time, and builds
+    the name map once per module of the model: most of a conversion's time, repeated for the
+    same answer (benchmarks/REAL_MODEL.md has the measurement). Both are read-only results of
+    their arguments, so building each once gives the same directory byte for byte.
+    transformers imports the two from `gguf` at each call, so swapping them on the module for
+    the conversion reaches it; they are put back after, however it ends."""
     import gguf
 
     reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map

@@ -24,7 +24,7 @@ def test_sft_control_and_grpo_through_the_cli_on_two_ranks(tmp_path):
 
     two = ["deepspeed.nproc=2", "sft.batch_size=8", "grpo.prompts_per_step=2"]
     cfg = small_config(tmp_path, *two)
-    cli = [sys.executable, "-m", "flows.cli"]
+    cli = [sys.executable, "-m", "cli.main"]
     flags = [x for s in [*SMALL, *two, f"output_dir={tmp_path}"] for x in ("--set", s)]
     sft = subprocess.run([*cli, "sft", *flags], capture_output=True, text=True, timeout=600)
     assert sft.returncode == 0, sft.stderr[-2000:]

@@ -86,7 +86,7 @@ def test_bad_set_paths_and_columns_are_named(tmp_path):
 
 def test_cli_refuses_a_broken_config_naming_the_field(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "sft", "--set", "grpo.lr=-1", "--set", "sft.bogus=1",
+        [sys.executable, "-m", "cli.main", "sft", "--set", "grpo.lr=-1", "--set", "sft.bogus=1",
          "--set", "deepspeed.nproc=3"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
@@ -96,7 +96,7 @@ def test_cli_refuses_a_broken_config_naming_the_field(tmp_path):
     assert "Traceback" not in out.stderr and out.stderr.startswith("error: ")
     # --debug: the same error with its traceback, raised (exit 1), for a bug report
     debug = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "--debug", "sft", "--set", "grpo.lr=-1"],
+        [sys.executable, "-m", "cli.main", "--debug", "sft", "--set", "grpo.lr=-1"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert debug.returncode == 1
@@ -136,7 +136,7 @@ def test_cli_evaluate_on_gsm8k(tmp_path):
     model = base_model_dir(cfg)
     other = _another_model(model, tmp_path / "other")
     out = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "evaluate", "--model", str(model), "--sets", "gsm8k",
+        [sys.executable, "-m", "cli.main", "evaluate", "--model", str(model), "--sets", "gsm8k",
          "--limit", "50", "--out", str(tmp_path / "e"), "--baseline", str(other)],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip

@@ -20,7 +20,7 @@ def _grpo(*args, cwd, env=None, timeout=300):
     full = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     full.update(env or {})
     t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=full,
+    p = subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=cwd, env=full,
                        capture_output=True, text=True, timeout=timeout)  # fmt: skip
     return p.returncode, p.stdout, p.stderr, time.perf_counter() - t0
 
@@ -103,8 +103,8 @@ def test_a_10mb_prompt_is_left_out_quickly_with_little_memory(tmp_path):
         "    hwm = [ln for ln in open('/proc/self/status') if ln.startswith('VmHWM:')]\n"
         f"    open({str(peak_file)!r}, 'w').write(hwm[0].split()[1])\n"
         "atexit.register(peak)\n"
-        "sys.argv = ['flows.cli', *sys.argv[1:]]\n"
-        "runpy.run_module('flows.cli', run_name='__main__', alter_sys=True)\n"
+        "sys.argv = ['cli.main', *sys.argv[1:]]\n"
+        "runpy.run_module('cli.main', run_name='__main__', alter_sys=True)\n"
     )
     full = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     t0 = time.perf_counter()

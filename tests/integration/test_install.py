@@ -56,7 +56,7 @@ def test_wheel_and_source_pipelines_share_a_fresh_store(tmp_path):
                            cwd=work, env=wheel_env, capture_output=True, text=True)  # fmt: skip
     assert Path(where.stdout.strip()).is_relative_to(site), where.stdout + where.stderr
     sets = ["grpo.eval_every=0", "tracking.registered_model=concurrent"]
-    args = [sys.executable, "-m", "flows.cli", "pipeline",
+    args = [sys.executable, "-m", "cli.main", "pipeline",
             *[a for s in [*SMALL, *sets] for a in ("--set", s)]]  # fmt: skip
     variants = [(["--no-control"], wheel_env), (["--set", "sft.control=sequential"], env)]
     procs = [

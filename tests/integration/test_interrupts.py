@@ -21,7 +21,7 @@ STOP_S = 10  # the most a stop may take (issue: "within 10 s")
 
 def _start(args: list[str], cwd: Path, session: bool = False) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=env,
+    return subprocess.Popen([sys.executable, "-m", "cli.main", *args], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=session)  # fmt: skip
 
@@ -128,7 +128,7 @@ def test_ctrl_c_stops_a_pipeline_and_resume_continues_it(tmp_path):
     stopped_at = int((grpo_dir / "checkpoints" / "latest").read_text().removeprefix("step"))
     assert stopped_at < 20
 
-    again = subprocess.run([sys.executable, "-m", "flows.cli", "pipeline", "--resume", pid, *sets],
+    again = subprocess.run([sys.executable, "-m", "cli.main", "pipeline", "--resume", pid, *sets],
                            cwd=tmp_path, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert again.returncode == 0, again.stderr[-3000:]
     assert c.get_run(pid).info.status == "FINISHED"
@@ -143,7 +143,7 @@ def test_ctrl_c_stops_a_pipeline_and_resume_continues_it(tmp_path):
         r.info.run_id for r in runs
     }
     # a finished pipeline is not resumed: one line, nothing run
-    code = subprocess.run([sys.executable, "-m", "flows.cli", "pipeline", "--resume", pid, *sets],
+    code = subprocess.run([sys.executable, "-m", "cli.main", "pipeline", "--resume", pid, *sets],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert code.returncode == 2 and "that pipeline finished" in code.stderr, code.stderr[-2000:]
     assert "Beginning flow run" not in code.stdout + code.stderr  # refused before any server

@@ -810,7 +810,7 @@ def test_a_lora_grpo_stage_logs_a_merged_model_and_its_adapter(store):
 
     adapter = tmp / "runs" / "lora" / "grpo" / "adapter"
     sets = [a for s in _overrides(tmp, "run_name=lora") for a in ("--set", s)]
-    evaluate = [sys.executable, "-m", "flows.cli", "evaluate", "--model", str(adapter),
+    evaluate = [sys.executable, "-m", "cli.main", "evaluate", "--model", str(adapter),
                 "--sets", "synthetic", "--limit", "8", *sets]  # fmt: skip
     p = subprocess.run([*evaluate, "--out", str(tmp / "lora-eval")], capture_output=True,
                        text=True, timeout=300)  # fmt: skip

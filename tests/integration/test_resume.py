@@ -63,7 +63,7 @@ def _grpo_train(*args: str) -> tuple[int, str]:
     from tests.helpers import SMALL
 
     sets = [a for s in [*SMALL, "grpo.steps=6", "grpo.checkpoint_every=2"] for a in ("--set", s)]
-    p = subprocess.run([sys.executable, "-m", "flows.cli", "train", *args, *sets],
+    p = subprocess.run([sys.executable, "-m", "cli.main", "train", *args, *sets],
                        capture_output=True, text=True, timeout=300)  # fmt: skip
     return p.returncode, p.stderr
 
@@ -82,7 +82,8 @@ def _a_finished_run_is_never_overwritten_or_resumed_by_another(tmp, base, cfg_pa
     code, err = _grpo_train("--policy", str(base), "--out", str(whole), "--resume", "--set",
                             "grpo.lr=0.5")  # fmt: skip
     assert code == 2 and "grpo.lr" in err and "0.5" in err, err[-2000:]
-    # what a rerun without --resume used to leave: the old checkpoint, new metrics of 2 steps
+    # what a rerun without --resume would leave if it were let through: the old checkpoint,
+    # new metrics of 2 steps
     metrics = whole / "metrics.jsonl"
     metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:2]))
     code, err = _grpo_train("--policy", str(base), "--out", str(whole), "--resume")

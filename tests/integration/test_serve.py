@@ -24,7 +24,7 @@ import psutil
 import pytest
 
 from grpo.launch.runner import free_port
-from tasks.server_auth import credentials_path
+from infra.auth import credentials_path
 from tests.helpers import by_stage
 from tests.serve_harness import DEPLOYMENT, WAITING, Receiver, Served, alive
 
@@ -62,7 +62,7 @@ def _grpo_stage_running(c) -> str | None:  # noqa: ANN001
 
 def _restart_postgres(data: Path) -> float:
     """pg_ctl restart (fast: open connections are cut); returns the seconds it took."""
-    from flows.postgres import pg_ctl_as_owner
+    from infra.postgres import pg_ctl_as_owner
 
     t0 = time.time()
     pg_ctl_as_owner(data, "restart")
@@ -351,7 +351,7 @@ def test_a_triggered_deployment_runs_on_the_worker_and_lands_in_the_mlflow_serve
     # not serve's (a plain pipeline's store: tests/integration/test_install.py)
     env = {k: v for k, v in os.environ.items() if k not in s.client_env()}
     code = ("from grpo.config import load_config; from tasks.tracking import tracking_uri; "
-            "from tasks.server_auth import apply_to_environment; apply_to_environment(); "
+            "from infra.auth import apply_to_environment; apply_to_environment(); "
             f"print(tracking_uri(load_config({str(s.config)!r}, [])))")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], cwd=s.state, env=env,
                          capture_output=True, text=True, timeout=120)  # fmt: skip

@@ -371,7 +371,7 @@ def test_sft_stops_at_its_plateau_keeps_its_best_weights_and_force_rebuilds(tmp_
 
     weights = out / "model.safetensors"
     stamp, before = weights.stat().st_mtime_ns, weights.read_bytes()
-    cli = [sys.executable, "-m", "flows.cli", "sft"]
+    cli = [sys.executable, "-m", "cli.main", "sft"]
     for s in [*SMALL, *sets, f"output_dir={tmp_path}"]:
         cli += ["--set", s]
     again = subprocess.run(cli, capture_output=True, text=True, timeout=300, cwd=tmp_path)

@@ -185,3 +185,31 @@ def test_more_synthetic_problems_than_distinct_sums_are_refused_before_drawing()
         load_config(None, ["data.max_digits=2", "data.ood_digits=3"])
     cfg = load_config(None, ["data.max_digits=2", "data.ood_digits=3", "data.num_train=2000"])
     assert cfg.data.num_train == 2000
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (
+            ["model.lora.r=8"],
+            "model.lora.r is set but would be ignored: it needs model.lora.enabled",
+        ),
+        (["grpo.max_sampling_rounds=2"], "grpo.max_sampling_rounds .* grpo.dynamic_sampling=true"),
+        (["grpo.eval_every=0", "grpo.eval_limit=5"], "grpo.eval_limit .* grpo.eval_every > 0"),
+        (["grpo.overlong_cache=4"], "grpo.overlong_cache .* soft_overlong in grpo.reward_funcs"),
+    ],
+)
+def test_a_setting_of_a_switched_off_part_is_refused_naming_the_switch(overrides, named):
+    with pytest.raises(ConfigError, match=named):
+        load_config(None, overrides)
+
+
+def test_the_same_settings_with_their_switch_on_load():
+    cfg = load_config(None, ["model.lora.enabled=true", "model.lora.r=8"])
+    assert cfg.model.lora.r == 8
+    cfg = load_config(None, ["grpo.dynamic_sampling=true", "grpo.max_sampling_rounds=2"])
+    assert cfg.grpo.max_sampling_rounds == 2
+    # a written config holds every field at its value: those at their defaults load, so a
+    # run's own config.yaml (what its ranks and a resume read) always loads again
+    cfg = load_config(None, ["model.lora.r=16", "grpo.max_sampling_rounds=3"])
+    assert not cfg.model.lora.enabled

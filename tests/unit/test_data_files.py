@@ -70,9 +70,9 @@ def test_named_sets_are_read_from_grpo_data_dir(tmp_path, monkeypatch):
 
 
 def test_rows_no_tokenizer_or_grader_could_use_are_named(tmp_path):
-    """A lone surrogate (valid JSON, no character) used to end in a tokenizer traceback, a NaN
-    answer was taken as the text "nan", and a held-out file of non-math answers scored 0.000
-    without a word."""
+    """A lone surrogate (valid JSON, no character) would end in a tokenizer traceback, a NaN
+    answer would be taken as the text "nan", and a held-out file of non-math answers would
+    score 0.000 without a word: each is named instead."""
     from grpo.data.files import normalize
     from grpo.data.sets import check_gold_answers
 

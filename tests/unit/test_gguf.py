@@ -16,7 +16,7 @@ def test_a_missing_package_or_file_is_named(tmp_path):
 
 
 def test_missing_readers_are_named_with_the_install_command(tmp_path, monkeypatch, capsys):
-    from flows.cli import main
+    from cli.main import main
 
     f = tmp_path / "m.gguf"
     f.write_bytes(b"GGUF")
@@ -36,7 +36,7 @@ def test_missing_readers_are_named_with_the_install_command(tmp_path, monkeypatc
 @pytest.mark.real
 def test_a_conversion_parses_the_file_once_and_puts_gguf_back_however_it_ends(tmp_path):
     """transformers builds gguf's reader three times and its name map once per module in one
-    conversion (about 12 of SmolLM2's 28 CPU-s): inside it each is built once; after it, even one
+    conversion: inside it each is built once; after it, even one
     that failed, gguf's own functions are back."""
     gg = pytest.importorskip("gguf", reason="the real extra (make install-real)")
     import numpy as np

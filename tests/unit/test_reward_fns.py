@@ -291,3 +291,12 @@ def test_a_gold_answer_still_parses_when_its_process_is_stalled_mid_parse():
     os.kill(proc.pid, signal.SIGCONT)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0 and out.strip() == "True"
+
+
+def test_a_second_reward_under_a_taken_name_is_refused_and_the_first_kept():
+    from reward_fns.registry import REWARD_FUNCS, DuplicateRewardName, reward_function
+
+    first = REWARD_FUNCS["accuracy"]
+    with pytest.raises(DuplicateRewardName, match="'accuracy' is already registered"):
+        reward_function("accuracy")(lambda completions, **kw: [0.0] * len(completions))
+    assert REWARD_FUNCS["accuracy"] is first

@@ -8,8 +8,8 @@ import stat
 
 import pytest
 
-from flows.serve import locked_job_template
-from tasks import server_auth as sa
+from infra import auth as sa
+from infra.serve import locked_job_template
 
 
 def test_credentials_are_private_random_and_stable(tmp_path):

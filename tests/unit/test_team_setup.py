@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from flows import alerts, postgres
 from grpo.launch.runner import free_port
+from infra import alerts, postgres
 
 GRPO = str(Path(sys.executable).with_name("grpo"))
 

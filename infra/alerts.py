@@ -8,7 +8,7 @@ environment, as it may hold a token; Prefect keeps it encrypted in the block):
 - no flow run of the deployment ended Completed for `stale_hours` (a nightly that stopped
   running, or keeps failing, or hangs).
 
-Run as `python -m flows.alerts DEPLOYMENT STALE_HOURS CRASHED_AFTER_S` in a process pointed at
+Run as `python -m infra.alerts DEPLOYMENT STALE_HOURS CRASHED_AFTER_S` in a process pointed at
 the server (serve does); creating them again replaces the earlier ones of the same deployment.
 """
 
@@ -74,7 +74,7 @@ def install(
     crashed = f"{deployment}: a run whose heartbeats stopped is Crashed"
     Automation(
         name=crashed,
-        description="declared in flows/alerts.py; created by grpo serve",
+        description="declared in infra/alerts.py; created by grpo serve",
         trigger=EventTrigger(
             after={"prefect.flow-run.heartbeat"}, expect={"prefect.flow-run.heartbeat", *ended},
             match={"prefect.resource.id": "prefect.flow-run.*"}, match_related=related,
@@ -102,7 +102,7 @@ def _alerts(deployment: str, url: str, stale_hours: float, related: dict[str, st
     failed_body, stale_body = payloads(deployment, stale_hours)
     Automation(
         name=on_failure,
-        description="declared in flows/alerts.py; created by grpo serve",
+        description="declared in infra/alerts.py; created by grpo serve",
         trigger=EventTrigger(
             match_related=related, expect={"prefect.flow-run.Failed", "prefect.flow-run.Crashed"},
             posture=Posture.Reactive, threshold=1,
@@ -111,7 +111,7 @@ def _alerts(deployment: str, url: str, stale_hours: float, related: dict[str, st
     ).create()  # fmt: skip
     Automation(
         name=on_stale,
-        description="declared in flows/alerts.py; created by grpo serve",
+        description="declared in infra/alerts.py; created by grpo serve",
         trigger=EventTrigger(
             match_related=related, expect={"prefect.flow-run.Completed"},
             posture=Posture.Proactive, threshold=1, within=timedelta(hours=stale_hours),

@@ -1,166 +1,23 @@
-"""`grpo` command line: one subcommand per stage, plus the pipeline, promotion and serving."""
+"""`grpo` command line: one subcommand per stage, plus the pipeline, promotion and serving.
+This module parses and dispatches; what each subcommand does is in cli.commands."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
-from pathlib import Path
+
+from cli import commands
+from cli.signals import Interrupted
 
 
-def _config(a: argparse.Namespace):  # noqa: ANN202
-    from grpo.config import load_config
-
-    sets = list(a.set or [])
-    if getattr(a, "nproc", None):
-        sets.append(f"deepspeed.nproc={a.nproc}")
-    if getattr(a, "hostfile", None):
-        sets.append(f"deepspeed.hostfile={a.hostfile}")
-    return load_config(a.config, sets)
-
-
-def _preflight(
-    cfg, *, model_dirs: tuple = (), train: bool = True, tracking: bool = False,  # noqa: ANN001
-    base: str | None = None,
-) -> None:  # fmt: skip
-    from grpo.launch.preflight import preflight
-
-    preflight(cfg, model_dirs=[d for d in model_dirs if d], train=train, base=base)
-    if tracking:
-        from tasks.tracking import check_reachable
-
-        check_reachable(cfg)
-
-
-def cmd_sft(a: argparse.Namespace) -> None:
-    from grpo.launch.runner import run_sft
-
-    cfg = _config(a)
-    _preflight(cfg, train=False)
-    out = run_sft(cfg, force=a.force)
-    print(f"SFT reference: {out}")
-    summary = out / "sft_summary.json"
-    if summary.exists():
-        s = json.loads(summary.read_text())
-        print(f"best validation loss {s['best_val_loss']:.4f} after {s['steps']} steps")
-
-
-def cmd_train(a: argparse.Namespace) -> None:
-    from grpo.launch.run_dir import prepare_run_dir
-    from grpo.launch.runner import run_grpo, run_sft
-
-    cfg = _config(a)
-    _preflight(cfg, model_dirs=(a.policy,))
-    out = Path(a.out) if a.out else cfg.run_dir() / "grpo"
-    prepare_run_dir(out, cfg, resume=a.resume, overwrite=a.overwrite)
-    # run_sft reuses a cached reference, and returns model.path itself when SFT is off
-    policy = Path(a.policy) if a.policy else run_sft(cfg)
-    summary = run_grpo(cfg, policy, out, resume=a.resume)
-    final = summary["final"]
-    print(f"\nGRPO done in {summary['seconds']:.0f}s: {out / 'policy'}")
-    if cfg.model.lora.enabled:
-        n = summary.get("parameters", {})
-        print(f"  LoRA: {n.get('trainable', 0):,} of {n.get('total', 0):,} parameters trained; "
-              f"policy/ is merged, the adapter alone is in {out / 'adapter'}")  # fmt: skip
-    keys = ("reward", "rewards/accuracy/mean", "kl", "completions/mean_length", "step_time")
-    for k in keys:
-        if k in final:
-            print(f"  {k:28s} {final[k]:.4f}")
-
-
-def cmd_evaluate(a: argparse.Namespace) -> None:
-    from grpo.eval.metrics import markdown_table
-    from grpo.eval.run import default_report_dir, evaluate_model
-
-    cfg = _config(a)
-    model = a.model
-    if model.startswith("models:/"):
-        from tasks.registry import download_model
-
-        model = str(download_model(model, cfg))
-    sets = a.sets.split(",") if a.sets else cfg.eval.sets
-    _preflight(cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"sets": sets})}),
-               model_dirs=(model, a.baseline), train=False, base=a.base)  # fmt: skip
-    out = a.out or str(default_report_dir(cfg, model))
-    samples = a.samples or cfg.eval.samples
-    report = evaluate_model(cfg, model, sets, out, samples=samples, limit=a.limit, base=a.base)
-    print(markdown_table(report))
-    print(f"report: {out}/report.json  samples: {out}/samples.jsonl")
-    if a.baseline:
-        from grpo.eval.metrics import format_paired, paired_difference
-
-        base_out = f"{out}_baseline"
-        evaluate_model(cfg, a.baseline, sets, base_out, samples=samples, limit=a.limit,
-                       base=a.base)  # fmt: skip
-        mine = [json.loads(x) for x in Path(out, "samples.jsonl").open()]
-        theirs = [json.loads(x) for x in Path(base_out, "samples.jsonl").open()]
-        print(f"\n{model} - {a.baseline} (same problems and samples, paired 95% CI):")
-        for s in sets:
-            d = paired_difference(
-                [r for r in theirs if r["set"] == s], [r for r in mine if r["set"] == s]
-            )
-            print(f"  {s:16s} {format_paired(d)}")
-    if os.environ.get("MLFLOW_RUN_ID"):  # inside an active MLflow run: log there too
-        from tasks.tracking import log_evaluation
-
-        log_evaluation(cfg, os.environ["MLFLOW_RUN_ID"], report, Path(out))
-
-
-def cmd_pipeline(a: argparse.Namespace) -> None:
-    from flows.pipeline import PipelineParams, grpo_pipeline
-    from flows.prefect_db import pipeline_api
-
-    cfg = _config(a)
-    _preflight(cfg, tracking=True)
-    if a.resume:
-        from tasks.tracking import check_resumable
-
-        check_resumable(cfg, a.resume)
-    params = PipelineParams(config=a.config, overrides=list(a.set or []), control=not a.no_control,
-                            resume=a.resume)  # fmt: skip
-    with pipeline_api():
-        state = grpo_pipeline(params, return_state=True)
-    if state.is_cancelled():  # interrupted: the flow ended its runs and recorded it
-        message = state.message or ""
-        sig = signal.SIGTERM if message.startswith("stopped by SIGTERM") else signal.SIGINT
-        raise Interrupted(sig, message.partition("; ")[2])
-    state.result()  # a failed pipeline raises its error here
-
-
-def cmd_promote(a: argparse.Namespace) -> None:
-    from tasks.registry import promote
-
-    cfg = _config(a)
-    promote(cfg, a.version, alias=a.alias, reason=a.reason or "")
-    print(f"{cfg.tracking.registered_model} version {a.version} is now @{a.alias}")
-
-
-def cmd_import_gguf(a: argparse.Namespace) -> None:
-    from grpo.launch.paths import gguf_model_dir
-
-    cfg = _config(a)
-    out = gguf_model_dir(a.gguf, Path(a.cache) if a.cache else Path(cfg.output_dir) / "base")
-    print(out)
-
-
-def cmd_serve(a: argparse.Namespace) -> None:
-    from flows.serve import serve
-
-    serve(a.config, prefect_port=a.prefect_port, mlflow_port=a.mlflow_port,
-          state_dir=a.state_dir, pool=a.pool, stale_hours=a.alert_stale_hours,
-          database=a.database, crashed_after_s=a.crashed_after_s)  # fmt: skip
-
-
-def cmd_worker(a: argparse.Namespace) -> None:
-    from flows.serve import worker
-
-    worker(a.pool, a.name, a.limit)
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="grpo", description=__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    """The `grpo` parser: one subcommand per stage, each with --config and --set."""
+    p = argparse.ArgumentParser(
+        prog="grpo",
+        description="GRPO pipeline: one subcommand per stage, the pipeline, promotion, serving",
+    )
     p.add_argument("--debug", action="store_true", help="tracebacks instead of one-line errors")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -173,9 +30,9 @@ def main(argv: list[str] | None = None) -> None:
         sp.set_defaults(fn=fn)
         return sp
 
-    s = add("sft", cmd_sft, "build the SFT reference policy")
+    s = add("sft", commands.cmd_sft, "build the SFT reference policy")
     s.add_argument("--force", action="store_true", help="rebuild even if cached")
-    t = add("train", cmd_train, "GRPO training (DeepSpeed)")
+    t = add("train", commands.cmd_train, "GRPO training (DeepSpeed)")
     t.add_argument("--nproc", type=int, help="ranks on this node (GPUs or CPU processes)")
     t.add_argument("--hostfile", help="DeepSpeed hostfile for several nodes")
     t.add_argument("--policy", help="start from this model directory instead of the SFT ref")
@@ -183,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     t.add_argument("--overwrite", action="store_true",
                    help="delete the run already in --out and start again")  # fmt: skip
-    e = add("evaluate", cmd_evaluate, "evaluate a model on held-out sets")
+    e = add("evaluate", commands.cmd_evaluate, "evaluate a model on held-out sets")
     e.add_argument("--model", required=True,
                    help="model directory, LoRA adapter or models:/NAME@ALIAS")  # fmt: skip
     e.add_argument("--base", help="the base model of a LoRA adapter directory (default: the "
@@ -193,21 +50,25 @@ def main(argv: list[str] | None = None) -> None:
     e.add_argument("--limit", type=int)
     e.add_argument("--out")
     e.add_argument("--baseline", help="second model evaluated on the same problems and samples")
-    pl = add("pipeline", cmd_pipeline, "the whole Prefect pipeline")
+    pl = add("pipeline", commands.cmd_pipeline, "the whole Prefect pipeline")
     pl.add_argument("--no-control", action="store_true",
                     help="skip the SFT-continued control (GRPO is then compared with its "
                     "reference only)")  # fmt: skip
     pl.add_argument("--resume", metavar="RUN_ID",
                     help="continue a pipeline that did not finish (its MLflow run id, printed "
                     "when it stopped): same config, GRPO from its last checkpoint")  # fmt: skip
-    pr = add("promote", cmd_promote, "point an alias (default champion) at a model version")
+    pr = add(
+        "promote", commands.cmd_promote, "point an alias (default champion) at a model version"
+    )
     pr.add_argument("--version", required=True)
     pr.add_argument("--alias", default="champion")
     pr.add_argument("--reason", help="why (recorded on the version with who and when)")
-    ig = add("import-gguf", cmd_import_gguf, "turn a GGUF file into a Hugging Face directory")
+    ig = add(
+        "import-gguf", commands.cmd_import_gguf, "turn a GGUF file into a Hugging Face directory"
+    )
     ig.add_argument("gguf", help="a .gguf path, or package:path inside an installed package")
     ig.add_argument("--cache", help="where converted models live (default <output_dir>/base)")
-    sv = add("serve", cmd_serve, "local Prefect + MLflow servers, deployment and worker")
+    sv = add("serve", commands.cmd_serve, "local Prefect + MLflow servers, deployment and worker")
     sv.add_argument("--prefect-port", type=int, default=4200)
     sv.add_argument("--mlflow-port", type=int, default=5000)
     sv.add_argument("--state-dir", help="servers' stores and logs (default: the project)")
@@ -220,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="a flow run that sent no heartbeat for this long (its worker or machine "
                     "died) is set Crashed and its MLflow runs KILLED; keep it above 3 x "
                     "PREFECT_FLOWS_HEARTBEAT_FREQUENCY (180 s)")  # fmt: skip
-    wk = add("worker", cmd_worker, "another worker for a running serve's work pool (this "
+    wk = add("worker", commands.cmd_worker, "another worker for a running serve's work pool (this "
              "machine or another)")  # fmt: skip
     wk.add_argument("--pool", default="grpo-process-pool", help="the work pool to serve")
     wk.add_argument("--name", help="the worker's name in the Prefect UI (default: generated)")
@@ -229,14 +90,20 @@ def main(argv: list[str] | None = None) -> None:
     sv.add_argument("--alert-stale-hours", type=float, default=26.0,
                     help="with GRPO_ALERT_WEBHOOK_URL set: alert when the nightly deployment has "
                     "had no completed run for this long")  # fmt: skip
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse, then run the subcommand: a user's error in one line (exit 2), a signal as
+    `interrupted (SIGINT): what to do next` (exit 128 + the signal)."""
+    a = build_parser().parse_args(argv)
     from grpo.launch.environment import quiet_environment
 
     quiet_environment()  # quiet offline operation, before anything imports torch
 
     def run() -> None:
         if a.command != "serve":
-            from tasks.server_auth import apply_to_environment
+            from infra.auth import apply_to_environment
 
             apply_to_environment()  # a served state directory's credentials, for its servers
         a.fn(a)
@@ -266,14 +133,6 @@ def main(argv: list[str] | None = None) -> None:
             raise
         print(f"error: {_one_line(e)}", file=sys.stderr)
         sys.exit(2)
-
-
-class Interrupted(KeyboardInterrupt):
-    """A command stopped by a signal that someone else handled first (the pipeline's flow)."""
-
-    def __init__(self, signum: int, detail: str = "") -> None:
-        super().__init__()
-        self.signum, self.detail = signum, detail
 
 
 # what a user does after stopping a command (Ctrl-C, SIGTERM): printed as its last line

@@ -22,7 +22,7 @@ from reward_fns.errors import UserError
 
 DATABASES = ("mlflow", "mlflow_auth", "prefect")  # mlflow_auth: the basic-auth app's users
 USER = "postgres"  # the local server's superuser
-HBA = """# written by grpo serve (flows/postgres.py): passwords for every connection
+HBA = """# written by grpo serve (infra/postgres.py): passwords for every connection
 local all all scram-sha-256
 host all all 127.0.0.1/32 scram-sha-256
 host all all ::1/128 scram-sha-256

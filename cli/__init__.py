@@ -1,0 +1,1 @@
+"""The `grpo` command line: parses arguments and dispatches to flows, tasks and infra."""

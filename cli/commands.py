@@ -1,0 +1,161 @@
+"""What each `grpo` subcommand does: load the config, check it, call the stage. The parser and
+the error handling are in cli.main."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+from pathlib import Path
+
+from cli.signals import Interrupted
+
+
+def _config(a: argparse.Namespace):  # noqa: ANN202
+    from grpo.config import load_config
+
+    sets = list(a.set or [])
+    if getattr(a, "nproc", None):
+        sets.append(f"deepspeed.nproc={a.nproc}")
+    if getattr(a, "hostfile", None):
+        sets.append(f"deepspeed.hostfile={a.hostfile}")
+    return load_config(a.config, sets)
+
+
+def _preflight(
+    cfg, *, model_dirs: tuple = (), train: bool = True, tracking: bool = False,  # noqa: ANN001
+    base: str | None = None,
+) -> None:  # fmt: skip
+    from grpo.launch.preflight import preflight
+
+    preflight(cfg, model_dirs=[d for d in model_dirs if d], train=train, base=base)
+    if tracking:
+        from tasks.tracking import check_reachable
+
+        check_reachable(cfg)
+
+
+def cmd_sft(a: argparse.Namespace) -> None:
+    from grpo.launch.runner import run_sft
+
+    cfg = _config(a)
+    _preflight(cfg, train=False)
+    out = run_sft(cfg, force=a.force)
+    print(f"SFT reference: {out}")
+    summary = out / "sft_summary.json"
+    if summary.exists():
+        s = json.loads(summary.read_text())
+        print(f"best validation loss {s['best_val_loss']:.4f} after {s['steps']} steps")
+
+
+def cmd_train(a: argparse.Namespace) -> None:
+    from grpo.launch.run_dir import prepare_run_dir
+    from grpo.launch.runner import run_grpo, run_sft
+
+    cfg = _config(a)
+    _preflight(cfg, model_dirs=(a.policy,))
+    out = Path(a.out) if a.out else cfg.run_dir() / "grpo"
+    prepare_run_dir(out, cfg, resume=a.resume, overwrite=a.overwrite)
+    # run_sft reuses a cached reference, and returns model.path itself when SFT is off
+    policy = Path(a.policy) if a.policy else run_sft(cfg)
+    summary = run_grpo(cfg, policy, out, resume=a.resume)
+    final = summary["final"]
+    print(f"\nGRPO done in {summary['seconds']:.0f}s: {out / 'policy'}")
+    if cfg.model.lora.enabled:
+        n = summary.get("parameters", {})
+        print(f"  LoRA: {n.get('trainable', 0):,} of {n.get('total', 0):,} parameters trained; "
+              f"policy/ is merged, the adapter alone is in {out / 'adapter'}")  # fmt: skip
+    keys = ("reward", "rewards/accuracy/mean", "kl", "completions/mean_length", "step_time")
+    for k in keys:
+        if k in final:
+            print(f"  {k:28s} {final[k]:.4f}")
+
+
+def cmd_evaluate(a: argparse.Namespace) -> None:
+    from grpo.eval.metrics import markdown_table
+    from grpo.eval.run import default_report_dir, evaluate_model
+
+    cfg = _config(a)
+    model = a.model
+    if model.startswith("models:/"):
+        from tasks.registry import download_model
+
+        model = str(download_model(model, cfg))
+    sets = a.sets.split(",") if a.sets else cfg.eval.sets
+    _preflight(cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"sets": sets})}),
+               model_dirs=(model, a.baseline), train=False, base=a.base)  # fmt: skip
+    out = a.out or str(default_report_dir(cfg, model))
+    samples = a.samples or cfg.eval.samples
+    report = evaluate_model(cfg, model, sets, out, samples=samples, limit=a.limit, base=a.base)
+    print(markdown_table(report))
+    print(f"report: {out}/report.json  samples: {out}/samples.jsonl")
+    if a.baseline:
+        from grpo.eval.metrics import format_paired, paired_difference
+
+        base_out = f"{out}_baseline"
+        evaluate_model(cfg, a.baseline, sets, base_out, samples=samples, limit=a.limit,
+                       base=a.base)  # fmt: skip
+        mine = [json.loads(x) for x in Path(out, "samples.jsonl").open()]
+        theirs = [json.loads(x) for x in Path(base_out, "samples.jsonl").open()]
+        print(f"\n{model} - {a.baseline} (same problems and samples, paired 95% CI):")
+        for s in sets:
+            d = paired_difference(
+                [r for r in theirs if r["set"] == s], [r for r in mine if r["set"] == s]
+            )
+            print(f"  {s:16s} {format_paired(d)}")
+    if os.environ.get("MLFLOW_RUN_ID"):  # inside an active MLflow run: log there too
+        from tasks.tracking import log_evaluation
+
+        log_evaluation(cfg, os.environ["MLFLOW_RUN_ID"], report, Path(out))
+
+
+def cmd_pipeline(a: argparse.Namespace) -> None:
+    from flows.pipeline import PipelineParams, grpo_pipeline
+    from infra.prefect_db import pipeline_api
+
+    cfg = _config(a)
+    _preflight(cfg, tracking=True)
+    if a.resume:
+        from tasks.tracking import check_resumable
+
+        check_resumable(cfg, a.resume)
+    params = PipelineParams(config=a.config, overrides=list(a.set or []), control=not a.no_control,
+                            resume=a.resume)  # fmt: skip
+    with pipeline_api():
+        state = grpo_pipeline(params, return_state=True)
+    if state.is_cancelled():  # interrupted: the flow ended its runs and recorded it
+        message = state.message or ""
+        sig = signal.SIGTERM if message.startswith("stopped by SIGTERM") else signal.SIGINT
+        raise Interrupted(sig, message.partition("; ")[2])
+    state.result()  # a failed pipeline raises its error here
+
+
+def cmd_promote(a: argparse.Namespace) -> None:
+    from tasks.registry import promote
+
+    cfg = _config(a)
+    promote(cfg, a.version, alias=a.alias, reason=a.reason or "")
+    print(f"{cfg.tracking.registered_model} version {a.version} is now @{a.alias}")
+
+
+def cmd_import_gguf(a: argparse.Namespace) -> None:
+    from grpo.launch.paths import gguf_model_dir
+
+    cfg = _config(a)
+    out = gguf_model_dir(a.gguf, Path(a.cache) if a.cache else Path(cfg.output_dir) / "base")
+    print(out)
+
+
+def cmd_serve(a: argparse.Namespace) -> None:
+    from infra.serve import serve
+
+    serve(a.config, prefect_port=a.prefect_port, mlflow_port=a.mlflow_port,
+          state_dir=a.state_dir, pool=a.pool, stale_hours=a.alert_stale_hours,
+          database=a.database, crashed_after_s=a.crashed_after_s)  # fmt: skip
+
+
+def cmd_worker(a: argparse.Namespace) -> None:
+    from infra.worker import worker
+
+    worker(a.pool, a.name, a.limit)

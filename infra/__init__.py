@@ -1,0 +1,1 @@
+"""The operations of the servers: serve, workers, process supervision, auth, PostgreSQL, alerts."""

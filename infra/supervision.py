@@ -1,0 +1,107 @@
+"""Process supervision for the servers: start children in sessions of their own with their logs,
+wait for an HTTP endpoint, run a setup command, stop every child and its descendants."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import psutil
+
+from reward_fns.errors import UserError
+
+
+class SupervisionError(UserError, RuntimeError):
+    """A child died or a setup command failed; the message names it and its log."""
+
+
+def bin_path(name: str) -> str:
+    """A console script of this interpreter's environment."""
+    return str(Path(sys.executable).with_name(name))
+
+
+def wait_http(url: str, seconds: float, what: str) -> None:
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except (urllib.error.URLError, OSError):
+            time.sleep(1)
+    raise RuntimeError(f"{what} did not answer at {url} within {seconds:.0f}s")
+
+
+def run_setup(cmd: list[str], env: dict[str, str], what: str, cwd: Path) -> None:
+    """Run a setup command to its end; its failure in one line with the output's last lines."""
+    out = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True)
+    if out.returncode != 0:
+        tail = (out.stdout + out.stderr).strip().splitlines()[-3:]
+        raise SupervisionError(f"{what} failed ({out.returncode}): {' | '.join(tail)}")
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    with contextlib.suppress(psutil.NoSuchProcess):
+        return psutil.Process(pid).children(recursive=True)
+    return []
+
+
+def stop_all(procs: dict[str, subprocess.Popen]) -> None:
+    """SIGTERM every child's process group, then SIGKILL what is left after 20 s.
+
+    Descendants are listed first: a flow run started by the worker lives in a session of its
+    own, out of reach of the worker's process group.
+    """
+    below = [d for p in procs.values() for d in _descendants(p.pid)]
+    for d in below:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            d.terminate()
+    for p in procs.values():
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.time() + 20
+    for p in procs.values():
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=max(0.1, deadline - time.time()))
+    for p in procs.values():
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)  # the group may outlive its leader
+        p.wait()
+    _gone, alive = psutil.wait_procs(below, timeout=max(0.1, deadline - time.time()))
+    for d in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            d.kill()
+
+
+class Children:
+    """The servers and workers serve started, by name: each in a session of its own (stopping
+    it stops its children: server workers, flow runs), its output in logs/<name>.log."""
+
+    def __init__(self, logs: Path, env: dict[str, str], cwd: Path) -> None:
+        self.logs, self.env, self.cwd = logs, env, cwd
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, cmd: list[str], name: str, extra_env: dict[str, str] | None = None) -> None:
+        f = (self.logs / f"{name}.log").open("w")
+        self.procs[name] = subprocess.Popen(
+            cmd, env={**self.env, **(extra_env or {})}, stdout=f, stderr=subprocess.STDOUT,
+            start_new_session=True, cwd=self.cwd,
+        )  # fmt: skip
+
+    def check_alive(self) -> None:
+        """SupervisionError naming the first child that exited, and its log."""
+        for name, p in self.procs.items():
+            if p.poll() is not None:
+                raise SupervisionError(
+                    f"the {name} process exited with {p.returncode}; see {self.logs / name}.log"
+                )
+
+    def stop(self) -> None:
+        stop_all(self.procs)
