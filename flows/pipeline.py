@@ -83,6 +83,11 @@ def grpo_pipeline(params: PipelineParams = PipelineParams()) -> Any:  # noqa: B0
         models = {"reference": ref, "grpo": trained["policy"]}
         if control:
             models["sft_continued"] = control
+        # with a selection split, the last steps' weights are evaluated beside the selected
+        if trained.get("last_policy"):
+            models["grpo_last"] = trained["last_policy"]
+        if control and Path(control + "_last").is_dir():
+            models["sft_continued_last"] = control + "_last"
         # the current champion, evaluated on the same problems: the gate's paired evidence
         champ = registry.champion(cfg, run_dir / "champion")
         if champ["path"]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 from collections.abc import Iterator
@@ -230,7 +231,14 @@ def train_policy(
             "system_prompt": cfg.model.system_prompt or SYSTEM_PROMPT,
             "max_new_tokens": cfg.eval.max_new_tokens or cfg.grpo.max_completion_length,
         }
-        model_uri = log_policy(run_id, out / "policy", model_config, step=cfg.grpo.steps)
+        selection = summary.get("selection")
+        # with a selection split, policy/ holds the selected step (grpo.eval.selection)
+        step = selection["selected_step"] if selection else cfg.grpo.steps
+        model_uri = log_policy(run_id, out / "policy", model_config, step=step)
+        if selection:
+            c.set_tag(run_id, "selection.step", str(selection["selected_step"]))
+            c.set_tag(run_id, "selection.rule", selection["rule"])
+            c.log_dict(run_id, selection, "selection/grpo.json")
         inrun = f"{cfg.eval.sets[0]}[:{summary.get('inrun_subset_size', 0)}]" if (
             cfg.eval.sets) else "none"  # fmt: skip
         checkpoints = log_checkpoint_models(
@@ -239,7 +247,7 @@ def train_policy(
             out,
             rows,
             model_config,
-            final=(cfg.grpo.steps, model_uri),
+            final=(step, model_uri),
             dataset=(inrun, cfg.digest("eval", "data")),
         )
         # the registered model is the last step's: choosing the best checkpoint on these
@@ -258,7 +266,8 @@ def train_policy(
         # eval/inrun_subset_accuracy's problems: a subset, not the evaluate stage's whole sets
         c.set_tag(run_id, "eval.inrun_subset_size", str(summary.get("inrun_subset_size", 0)))
     return {"policy": str(out / "policy"), "run_id": run_id, "seconds": summary["seconds"],
-            "model_uri": model_uri}  # fmt: skip
+            "model_uri": model_uri, "selection": selection,
+            "last_policy": str(out / "policy_last") if selection else None}  # fmt: skip
 
 
 def _thread_env(threads: int | None) -> dict[str, str] | None:
@@ -310,6 +319,10 @@ def sft_control(
         c.set_tag(run_id, "control_mode", "concurrent" if follow else "sequential")
         # what ended it: GRPO's wall time (moves between runs of one seed) or a step count
         c.set_tag(run_id, "control_budget", "steps" if steps else "wall_time")
+        if selection := summary.get("selection"):
+            c.set_tag(run_id, "selection.step", str(selection["selected_step"]))
+            c.set_tag(run_id, "selection.rule", selection["rule"])
+            c.log_dict(run_id, selection, "selection/sft_continued.json")
         if threads:
             c.set_tag(run_id, "threads", str(threads))
     return str(out)
@@ -329,9 +342,11 @@ def evaluate(cfg: Config, parent_id: str, models: dict[str, str], run_dir: Path)
         reports, samples = {}, {}
         for label, path in models.items():
             out = run_dir / "eval" / label
+            # sampled pass@k for the models compared, not for the last steps or the champion
+            main = label in ("reference", "grpo", "sft_continued")
             reports[label] = evaluate_model(
                 cfg, path, cfg.eval.sets, str(out), samples=cfg.eval.samples,
-                limit=cfg.eval.limit, progress=False,
+                limit=cfg.eval.limit, progress=False, pass_k=None if main else 0,
             )  # fmt: skip
             samples[label] = tracking.read_jsonl(out / "samples.jsonl")
             tracking.log_evaluation(cfg, run_id, reports[label], out, prefix=f"{label}/",
@@ -373,12 +388,22 @@ def register_model(
         champion_version=champ["version"],
         description=describe(summary, ev["markdown"]),
     )  # fmt: skip
-    # which checkpoint became the version, and why not the best one (tasks.serving)
+    # which checkpoint became the version, and by which rule
     c = tracking.client(cfg)
-    c.set_model_version_tag(reg["name"], reg["version"], "checkpoint/step", str(g.steps))
-    c.set_model_version_tag(reg["name"], reg["version"], "checkpoint/selection",
-                            "the last step: a choice by accuracy on the held-out problems "
-                            "would bias the gate's paired test on them")  # fmt: skip
+    tag = functools.partial(c.set_model_version_tag, reg["name"], reg["version"])
+    if selection := trained.get("selection"):
+        tag("checkpoint/step", str(selection["selected_step"]))
+        tag("checkpoint/selection", selection["rule"])
+        tag("checkpoint/last_step", str(selection["last_step"]))
+        # the last step's held-out numbers beside the selected step's
+        for k, v in metrics.items():
+            if k.startswith("grpo_last/") and "/accuracy" in k:
+                tag(f"last_step/{k.removeprefix('grpo_last/')}", f"{v:.4f}")
+    else:
+        tag("checkpoint/step", str(g.steps))
+        tag("checkpoint/selection",
+            "the last step: no selection split (data.num_select); a choice by accuracy on the "
+            "held-out problems would bias the gate's paired test on them")  # fmt: skip
     # the decision on the flow run too, where a scheduled run's user looks first
     from prefect.artifacts import create_markdown_artifact
 

@@ -80,6 +80,8 @@ def switched_off_error(cfg: Config) -> str | None:
         (not g.dynamic_sampling, _changed(g, {"max_sampling_rounds"}), "grpo",
          "grpo.dynamic_sampling=true"),
         (g.eval_every == 0, _changed(g, {"eval_limit"}), "grpo", "grpo.eval_every > 0"),
+        (g.eval_every == 0, _changed(cfg.data, {"num_select"}), "data",
+         "grpo.eval_every > 0 (the selection's cadence)"),
         ("soft_overlong" not in g.reward_funcs, _changed(g, {"overlong_cache"}), "grpo",
          "soft_overlong in grpo.reward_funcs"),
     ]  # fmt: skip
@@ -133,6 +135,16 @@ class Config(Strict):
                 "base weights that every LoRA forward needs whole (and the fast sampler merges "
                 "adapters into them); LoRA's trainable and optimizer state is small, so use "
                 "zero_stage 0 or 2"
+            )
+        if self.eval.pass_k and self.eval.samples > 1:
+            raise ValueError(
+                "eval.pass_k samples beside a greedy completion; with eval.samples > 1 there is "
+                "no greedy one: give one of them"
+            )
+        if self.model.lora.enabled and self.data.num_select:
+            raise ValueError(
+                "data.num_select with model.lora is not supported: the selected step's adapter "
+                "would overwrite the last one's; set data.num_select=0"
             )
         if self.model.path and self.model.gguf:
             raise ValueError("model.path and model.gguf both name the model; give one")

@@ -98,6 +98,12 @@ class DataConfig(Strict):
     num_train: int = Field(4000, ge=1, description="answer-only RL prompts (synthetic)")
     num_heldout: int = Field(1000, ge=1, description="in-distribution held-out (synthetic)")
     num_heldout_ood: int = Field(500, ge=1, description="harder held-out (synthetic)")
+    num_select: int = Field(
+        0, ge=0,
+        description="selection split (synthetic): answer-only problems, disjoint from every "
+        "other set, on which GRPO's and the control's checkpoints are chosen (greedy accuracy, "
+        "every grpo.eval_every / sft.eval_every steps); 0: no selection, the last step is kept",
+    )  # fmt: skip
     min_digits: int = Field(1, ge=1)
     max_digits: int = Field(3, ge=1)
     ood_digits: int = Field(4, ge=1, description="digits of the out-of-distribution set")
@@ -121,16 +127,23 @@ class DataConfig(Strict):
             raise ValueError("ood_digits must exceed max_digits (the OOD set is harder)")
         if self.task == "files" and not self.train_path:
             raise ValueError("train_path is required when task is 'files'")
+        if self.task == "files" and self.num_select:
+            raise ValueError(
+                "data.num_select draws a selection split of the synthetic task; with files, "
+                "it would be ignored: set it to 0"
+            )
         if self.task == "synthetic":
             # every problem is a distinct pair a+b (either order) of numbers with min_digits to
             # max_digits digits: more than exist would never finish drawing
             values = sum(10 if d == 1 else 9 * 10 ** (d - 1)
                          for d in range(self.min_digits, self.max_digits + 1))  # fmt: skip
             pairs = values * (values + 1) // 2
-            wanted = self.num_heldout + self.num_sft_val + self.num_sft + self.num_train
+            wanted = (self.num_heldout + self.num_sft_val + self.num_sft + self.num_train
+                      + self.num_select)  # fmt: skip
             if wanted > pairs * 0.9:  # drawing at random slows down as the pairs run out
                 raise ValueError(
-                    f"num_heldout + num_sft_val + num_sft + num_train = {wanted} problems, but "
+                    f"num_heldout + num_sft_val + num_sft + num_train + num_select = {wanted} "
+                    "problems, but "
                     f"{self.min_digits}-{self.max_digits} digit numbers make only {pairs} "
                     f"distinct sums; lower them (to about {int(pairs * 0.9)}) or raise max_digits"
                 )
@@ -193,6 +206,12 @@ def set_label(name: str) -> str:
 class EvalConfig(Strict):
     sets: list[str] = ["synthetic", "synthetic_ood"]
     samples: int = Field(1, ge=1, description="n samples per problem (pass@k, maj@k)")
+    pass_k: int = Field(
+        0, ge=0, le=64,
+        description="besides the greedy completion that gives accuracy, this many completions "
+        "per problem sampled at grpo.temperature (the training distribution) for sampled_pass@k "
+        "and sampled_maj@k; 0: none. Needs eval.samples 1",
+    )  # fmt: skip
     temperature: float = Field(1.0, gt=0)
     limit: int | None = Field(None, gt=0)
     batch_size: int = Field(256, gt=0)

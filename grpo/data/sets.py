@@ -30,15 +30,16 @@ def data_dir() -> Path:
 
 
 def training_sets(cfg: Config) -> dict[str, list[dict[str, Any]]]:
-    """sft, sft_val and train rows for the configured task."""
+    """sft, sft_val, train and select rows for the configured task (select: the synthetic
+    task's selection split, empty unless data.num_select)."""
     d = cfg.data
     if d.task == "synthetic":
         from grpo.data.synthetic import make_sets
 
         sets = make_sets(d)
-        return {k: sets[k] for k in ("sft", "sft_val", "train")}
+        return {k: sets[k] for k in ("sft", "sft_val", "train", "select")}
     train = _load_file(d.train_path, cfg, solution=False)
-    out = {"train": train}
+    out = {"train": train, "select": []}
     if d.sft_path:
         sft = _load_file(d.sft_path, cfg, solution=True)
         cut = max(1, len(sft) // 10)  # hold back 10% of worked solutions for early stopping

@@ -6,7 +6,8 @@ and GRPO has within-group disagreement to learn from, on thousands of answer-onl
 
 Sets (disjoint by construction: every (a, b) pair is drawn once from one RNG):
 sft (worked solutions), sft_val (early stopping), train (answer-only RL prompts),
-heldout (same digit range) and heldout_ood (more digits: harder, never trained on).
+heldout (same digit range), heldout_ood (more digits: harder, never trained on) and select
+(answer-only, the checkpoints of GRPO and the control are chosen on it: never the test sets).
 """
 
 from __future__ import annotations
@@ -68,7 +69,10 @@ def make_sets(cfg: DataConfig) -> dict[str, list[dict]]:
         "sft_val": draw(cfg.num_sft_val, lo, hi, "sftval"),
         "sft": draw(cfg.num_sft, lo, hi, "sft"),
         "train": draw(cfg.num_train, lo, hi, "train"),
+        # last: no other set changes with its size (none drawn when 0)
+        "select": draw(cfg.num_select, lo, hi, "select"),
     }
-    for row in sets["train"]:
-        row.pop("worked_solution")  # RL prompts carry answers only: GRPO's gain must come from RL
+    for name in ("train", "select"):
+        for row in sets[name]:
+            row.pop("worked_solution")  # answers only: GRPO's gain must come from RL
     return sets

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,10 +33,26 @@ from grpo.engine.schedules import lr_lambda
 from grpo.engine.scoring import RewardScorer, token_advantages
 from grpo.engine.update import UpdatePlan, update_policy
 from grpo.eval.run import generate_for_rows
+from grpo.eval.selection import SELECTION_FILE, Selection
 from grpo.models import lora
 from grpo.models.generate import Rollout, resolve_engine
 from grpo.models.loading import device_for, eos_token_ids, load_model, load_tokenizer
 from grpo.progress import progress_bar
+
+INRUN_KEY = "eval/inrun_subset_accuracy"  # a subset of the first held-out set: a curve only
+SELECT_KEY = "select/accuracy"  # the selection split: the best step is kept
+BEST_DIR, LAST_DIR = "best", "policy_last"
+
+
+def replace_dir(src: Path, dst: Path) -> None:
+    """dst becomes a copy of src; a reader never finds dst half written."""
+    tmp = dst.with_name(dst.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    shutil.copytree(src, tmp)
+    if dst.exists():
+        shutil.rmtree(dst)
+    tmp.rename(dst)
 
 
 class Trainer:
@@ -82,9 +99,17 @@ class Trainer:
         elif g.uses_reference:
             self.reference = Reference.load(cfg, policy_dir, self.device)
         self.scorer = RewardScorer(cfg)
-        self.train_rows = training_sets(cfg)["train"]
+        sets = training_sets(cfg)
+        self.train_rows = sets["train"]
         self.eval_rows: list[dict] = []
-        if g.eval_every and cfg.eval.sets:
+        # with a selection split, the in-run curve is on it and the best step is kept; without
+        # one, it is a subset of the first held-out set, a curve only (the last step is kept)
+        self.eval_key = SELECT_KEY if sets["select"] else INRUN_KEY
+        self.selection: Selection | None = None
+        if g.eval_every and sets["select"]:
+            rows = sets["select"]
+            self.eval_rows = rows[: len(rows) - len(rows) % self.world]
+        elif g.eval_every and cfg.eval.sets:
             limit = g.eval_limit - g.eval_limit % self.world
             self.eval_rows = eval_set(cfg.eval.sets[0], cfg)[:limit]
         self.files = RunFiles(self.out, self.rank, g.keep_checkpoints)
@@ -101,20 +126,25 @@ class Trainer:
         g = self.cfg.grpo
         report = on_step if on_step is not None and self.rank == 0 else lambda *_: None
         start = self.files.open(self.engine, resume)
+        if self.eval_key == SELECT_KEY:
+            self.selection = Selection.resumed(self.out / SELECTION_FILE, start)
         bar = progress_bar(g.steps, "grpo", "step", enabled=progress and not self.rank,
                            initial=start)  # fmt: skip
         if start == 0 and self.eval_rows:
-            self.files.log_metrics(
-                {"step": 0, "eval/inrun_subset_accuracy": self.heldout_accuracy()}
-            )
+            acc = self.heldout_accuracy()
+            self.files.log_metrics({"step": 0, self.eval_key: acc})
+            self._select(0, acc)
         t_start, last = time.time(), {}
         for step in range(start, g.steps):
             m = self.step(step)
-            if g.eval_every and (step + 1) % g.eval_every == 0:
-                m["eval/inrun_subset_accuracy"] = self.heldout_accuracy()
+            # the selection also sees the last step, whatever eval_every
+            due = (step + 1) % g.eval_every == 0 if g.eval_every else False
+            if due or (self.selection is not None and step + 1 == g.steps):
+                m[self.eval_key] = self.heldout_accuracy()
+                self._select(step + 1, m[self.eval_key])
             # a checkpoint with an in-run accuracy becomes a model of the run (not the last:
             # that is policy/, logged as the run's model)
-            evaluated = bool(self.eval_rows) and "eval/inrun_subset_accuracy" in m
+            evaluated = bool(self.eval_rows) and self.eval_key in m
             self.files.log_metrics(m)
             if (step + 1) % g.checkpoint_every == 0 or step + 1 == g.steps:
                 self.files.save_checkpoint(self.engine, step + 1)
@@ -128,14 +158,38 @@ class Trainer:
         bar.close()
         self.files.close()
         report(g.steps, g.steps, True)  # a control running beside this run stops here
-        save_policy(self.engine, self.tok, self.out / "policy", self.rank,
-                    self.cfg.deepspeed.zero_stage)  # fmt: skip
-        engine = resolve_engine(self.engine.module, self.cfg.model.generation_engine)
-        return {
+        summary = {
             "final": last, "seconds": time.time() - t_start, "start_step": start,
-            "generation_engine": engine, "parameters": self.params,
-            "inrun_subset_size": len(self.eval_rows),
+            "generation_engine": resolve_engine(self.engine.module,
+                                                self.cfg.model.generation_engine),
+            "parameters": self.params, "inrun_subset_size": len(self.eval_rows),
         }  # fmt: skip
+        if self.selection is None:
+            save_policy(self.engine, self.tok, self.out / "policy", self.rank,
+                        self.cfg.deepspeed.zero_stage)  # fmt: skip
+            return summary
+        # policy/ is the selected step's weights (what is evaluated, registered and served);
+        # policy_last/ the last step's, evaluated beside it
+        save_policy(self.engine, self.tok, self.out / LAST_DIR, self.rank,
+                    self.cfg.deepspeed.zero_stage)  # fmt: skip
+        if self.rank == 0:
+            replace_dir(self.out / BEST_DIR, self.out / "policy")
+            summary["selection"] = self.selection.summary(g.steps)
+            (self.out / "selection_summary.json").write_text(
+                json.dumps(summary["selection"], indent=1)
+            )
+        return summary
+
+    def _select(self, step: int, accuracy: float) -> None:
+        """Record a selection-split accuracy; a new best's weights go to best/."""
+        if self.selection is None:
+            return
+        new_best = self.selection.record(step, accuracy)
+        if new_best:
+            save_policy(self.engine, self.tok, self.out / BEST_DIR, self.rank,
+                        self.cfg.deepspeed.zero_stage)  # fmt: skip
+        if self.rank == 0:  # after the weights: a resume never trusts a best not yet written
+            self.selection.save(self.out / SELECTION_FILE)
 
     def step(self, step: int) -> dict[str, float]:
         """One GRPO step on this rank; returns its metrics (reduced over ranks)."""

@@ -21,10 +21,12 @@ from typing import Any
 import torch
 
 from grpo.config import Config
-from grpo.engine.deepspeed_setup import build_engine, save_policy
+from grpo.engine.deepspeed_setup import build_engine, gathered, save_policy
 from grpo.engine.distributed import all_reduce_sum, init_distributed
 from grpo.engine.pace import control_budget, read_pace
 from grpo.engine.schedules import PlateauLR, paced_cosine
+from grpo.eval.run import generate_for_rows
+from grpo.eval.selection import Selection
 from grpo.models.loading import device_for, load_model, load_tokenizer
 from grpo.models.prompts import render_prompt
 from grpo.progress import progress_bar
@@ -187,12 +189,38 @@ def _train(
     bar = progress_bar(None, "sft", "step", enabled=progress and not rank)
     stop = spent = False
     loss_sum, n = torch.zeros(()), 0
+    # the control with a selection split keeps its best step by GRPO's rule; else its last
+    select_rows = sets.get("select", []) if budget is not None else []
+    selection = Selection() if select_rows else None
+
+    def select_accuracy() -> float:
+        engine.eval()
+        with gathered(engine.module, cfg.deepspeed.zero_stage):
+            recs = generate_for_rows(engine.module, tok, select_rows[rank::world], cfg, device,
+                                     batch_size=cfg.eval.batch_size)  # fmt: skip
+        engine.train()
+        correct, total = all_reduce_sum([sum(r["correct"] for r in recs), len(recs)], device)
+        return correct / max(total, 1)
+
+    def select(rec: dict[str, float]) -> bool:
+        """Record the step's selection accuracy; True when its weights are the new best."""
+        rec["select_accuracy"] = select_accuracy()
+        return selection.record(int(rec["step"]), rec["select_accuracy"])
+
+    if selection is not None:  # the starting policy is a candidate too, as in GRPO
+        start_rec = {"step": 0, "elapsed_s": 0.0}
+        select(start_rec)
+        save_policy(engine, tok, out_dir, rank, cfg.deepspeed.zero_stage)
+        history.append(start_rec)
+        if log:
+            log.write(json.dumps(start_rec) + "\n")
 
     def validate() -> None:
         nonlocal best, stop
         vl = _val_loss(engine, val, tok.pad_token_id, device, VAL_BATCH)
         rec = {"step": step, "train_loss": float(loss_sum.detach()) / max(n, 1), "val_loss": vl,
                "elapsed_s": time.time() - t0, "lr": float(engine.get_lr()[0])}  # fmt: skip
+        keep = select(rec) if selection is not None else None
         history.append(rec)
         if log:
             log.write(json.dumps(rec) + "\n")
@@ -200,9 +228,10 @@ def _train(
         cuts = f"{plateau.cuts_made}/{s.lr_cuts}" if plateau else "-"
         bar.set_postfix(val_loss=f"{vl:.4f}", best=f"{min(best, vl):.4f}", lr_cuts=cuts,
                         refresh=False)  # fmt: skip
-        # the control keeps its last weights; the reference its best (never a smaller gain
-        # than the plateau's min_delta, which is noise)
-        if plateau is None or vl < best - plateau.min_delta:
+        # the reference keeps its best validation loss (never a smaller gain than the
+        # plateau's min_delta, which is noise); the control its best selection step, or its
+        # last weights without a selection split
+        if keep if keep is not None else (plateau is None or vl < best - plateau.min_delta):
             save_policy(engine, tok, out_dir, rank, cfg.deepspeed.zero_stage)
         best = min(best, vl)
         if plateau is not None:  # the control's rate follows its budget, never the plateaus
@@ -238,7 +267,13 @@ def _train(
     bar.close()
     if log:
         log.close()
+    extra: dict[str, Any] = {}
+    if selection is not None:  # the last step's weights too, evaluated beside the selected
+        save_policy(engine, tok, out_dir.with_name(out_dir.name + "_last"), rank,
+                    cfg.deepspeed.zero_stage)  # fmt: skip
+        extra["selection"] = selection.summary(step)
     return {
+        **extra,
         "best_val_loss": best,
         "steps": step,
         "epochs": step / steps_per_epoch,

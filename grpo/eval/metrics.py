@@ -176,13 +176,15 @@ def comparison(
             row[f"{label} - ref"] = format_paired(d)
             metrics[f"{label}/eval/{s}/diff_vs_reference"] = d["diff"]
             paired.setdefault(label, {})[s] = d
-        # GRPO against the equal-time control (the honest comparison) and the champion
-        for base, key in (("sft_continued", "sft_continued"), ("champion", "champion")):
-            if base not in labels or "grpo" not in labels:
+        # GRPO against the equal-time control (the honest comparison) and the champion; the
+        # last steps against each other when a selection split chose the others
+        for base, model in (("sft_continued", "grpo"), ("champion", "grpo"),
+                            ("sft_continued_last", "grpo_last")):  # fmt: skip
+            if base not in labels or model not in labels:
                 continue
-            d = diff(base, "grpo", s)
-            row[f"grpo - {base}"] = format_paired(d)
-            metrics[f"grpo/eval/{s}/diff_vs_{key}"] = d["diff"]
-            paired.setdefault(f"grpo_vs_{key}", {})[s] = d
+            d = diff(base, model, s)
+            row[f"{model} - {base}"] = format_paired(d)
+            metrics[f"{model}/eval/{s}/diff_vs_{base}"] = d["diff"]
+            paired.setdefault(f"{model}_vs_{base}", {})[s] = d
         table.append(row)
     return table, metrics, paired

@@ -100,11 +100,24 @@ def evaluate_model(
     limit: int | None = None,
     progress: bool = True,
     base: str | None = None,
+    pass_k: int | None = None,
 ) -> dict[str, Any]:
     """Evaluate a model directory on named sets; writes report.json, samples.jsonl, report.md.
 
-    model_dir may be a LoRA adapter directory: it is merged into `base` (default: the base
-    its adapter config names)."""
+    Args:
+        cfg: the run's config (prompts, generation engine, eval settings).
+        model_dir: a model directory, or a LoRA adapter directory merged into `base` (default:
+            the base its adapter config names).
+        sets: eval set names or file paths (grpo.data.sets.eval_set).
+        out_dir: where the report and per-sample files go.
+        samples: completions per problem (1: greedy).
+        limit: the first `limit` problems of each set.
+        progress: show a progress bar.
+        base: the base model of a LoRA adapter.
+        pass_k: sampled completions per problem at grpo.temperature beside the greedy one, for
+            sampled_pass@k and sampled_maj@k (default: eval.pass_k; their records go to
+            samples_sampled.jsonl).
+    """
     from grpo.models import lora
     from grpo.models.loading import device_for, load_model, load_tokenizer
 
@@ -117,7 +130,7 @@ def evaluate_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"model": str(model_dir), "sets": {}}
-    all_records = []
+    all_records, sampled_records = [], []
     shots = few_shot_prefix(cfg)
     prompt_limit = eval_prompt_limit(cfg, getattr(model.config, "max_position_embeddings", None))
     for name in sets:
@@ -137,6 +150,21 @@ def evaluate_model(
         for r in recs:
             r["set"] = name
         report["sets"][name] = summarize(recs)
+        k = cfg.eval.pass_k if pass_k is None else pass_k
+        if k and samples == 1:
+            sampled = generate_for_rows(
+                model, tok, rows, cfg, device, samples=k, temperature=cfg.grpo.temperature,
+                batch_size=cfg.eval.batch_size, max_new_tokens=cfg.eval.max_new_tokens,
+                seed=cfg.seed + 1, progress=progress,
+            )  # fmt: skip
+            for r in sampled:
+                r["set"] = name
+            s = summarize(sampled)
+            report["sets"][name].update(
+                {f"sampled_{key}": v for key, v in s.items()
+                 if key.startswith(("pass@", "maj@")) or key == "mean_accuracy"}
+            )  # fmt: skip
+            sampled_records += sampled
         report["sets"][name]["left_out"] = float(len(left_out))
         report["sets"][name]["left_out_ids"] = [str(r["id"]) for r in left_out]
         for key in ("subject", "level"):
@@ -151,6 +179,10 @@ def evaluate_model(
     with (out / "samples.jsonl").open("w") as f:
         for r in all_records:
             f.write(json.dumps(r) + "\n")
+    if sampled_records:
+        with (out / "samples_sampled.jsonl").open("w") as f:
+            for r in sampled_records:
+                f.write(json.dumps(r) + "\n")
     (out / "report.md").write_text(markdown_table(report))
     return report
 

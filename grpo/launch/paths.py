@@ -74,7 +74,10 @@ def reference_dir(cfg: Config) -> Path:
     # how the control runs (sft.control, sft.control_steps) does not change the reference it
     # starts from
     control = {"control": "auto", "control_steps": None}
-    keyed = cfg.model_copy(update={"sft": cfg.sft.model_copy(update=control)})
+    # nor do the synthetic sets drawn after sft and sft_val (the RL prompts, the selection split)
+    after = {"num_train": 0, "num_select": 0} if cfg.data.task == "synthetic" else {}
+    keyed = cfg.model_copy(update={"sft": cfg.sft.model_copy(update=control),
+                                   "data": cfg.data.model_copy(update=after)})  # fmt: skip
     h = hashlib.sha256(keyed.digest("model", "data", "sft", "seed").encode())
     for f in (cfg.data.train_path, cfg.data.sft_path):
         if f and Path(f).is_file():

@@ -32,7 +32,8 @@ def _cfg(tmp_path, *extra: str):
     return load_config(ROOT / "configs" / "smollm2-135m.yaml", [
         f"output_dir={tmp_path}", "grpo.steps=2", "grpo.prompts_per_step=2",
         "grpo.num_generations=4", "grpo.max_completion_length=16", "grpo.checkpoint_every=2",
-        "grpo.overlong_cache=8", "eval.max_new_tokens=16", "eval.batch_size=20", *extra,
+        "grpo.eval_every=1", "data.num_select=6", "eval.max_new_tokens=16", "eval.batch_size=20",
+        *extra,
     ])  # fmt: skip
 
 
@@ -91,9 +92,17 @@ def test_two_grpo_steps_and_an_evaluation_on_the_real_model(smollm2, tmp_path):
     cfg = _cfg(tmp_path)
     summary = Trainer(cfg, smollm2, tmp_path / "grpo").train(progress=False)
     rows = [json.loads(x) for x in (tmp_path / "grpo" / "metrics.jsonl").open()]
-    assert [r["step"] for r in rows] == [1, 2] and summary["generation_engine"] == "fast"
-    # accuracy (0 or 1) plus the soft overlong penalty (-1 to 0)
-    assert all(-1 <= r["reward"] <= 1 and r["completions/mean_length"] > 0 for r in rows)
+    assert [r["step"] for r in rows] == [0, 1, 2] and summary["generation_engine"] == "fast"
+    # accuracy (0 or 1) plus 0.1 x format (0 or 1)
+    assert all(0 <= r["reward"] <= 1.1 and r["completions/mean_length"] > 0 for r in rows[1:])
+    # the config's selection: every step on the selection split, policy/ the selected step's
+    curve = [(r["step"], r["select/accuracy"]) for r in rows]
+    sel = summary["selection"]
+    assert sel["curve"] == [list(p) for p in curve] and sel["last_step"] == 2
+    best = max(a for _, a in curve)
+    assert sel["selected_step"] == min(s for s, a in curve if a == best)
+    for name in ("policy", "policy_last"):
+        assert (tmp_path / "grpo" / name / "model.safetensors").is_file()
     rep = evaluate_model(cfg, str(tmp_path / "grpo" / "policy"), ["synthetic"],
                          str(tmp_path / "ev"), limit=20, progress=False)  # fmt: skip
     m = rep["sets"]["synthetic"]
@@ -112,7 +121,7 @@ def test_lora_on_the_real_model_trains_adapters_and_samples_the_adapted_policy(s
     from tests.unit.test_sampler import _teacher_forced
 
     cfg = _cfg(tmp_path, "model.lora.enabled=true", "model.lora.r=8", "model.lora.alpha=16",
-               "grpo.beta=0.04")  # fmt: skip
+               "grpo.beta=0.04", "data.num_select=0")  # fmt: skip
     t = Trainer(cfg, smollm2, tmp_path / "grpo")
     assert t.reference.model is t.engine.module
     # 30 layers x r (in + out) over q, k, v, o (576 -> 576, 192, 192, 576) and gate, up, down
