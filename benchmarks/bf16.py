@@ -15,17 +15,14 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import bench_env  # noqa: E402
 
-from grpo.launch.environment import quiet_environment  # noqa: E402
-
-quiet_environment()  # the CLI's kernels and threads, before torch loads
+bench_env.prepare()  # the CLI's kernels and threads, before torch loads
 
 
 def _cpuinfo(field: str) -> str:

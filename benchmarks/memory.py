@@ -15,20 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import bench_env  # noqa: E402
 
-from grpo.launch.environment import quiet_environment  # noqa: E402
+bench_env.prepare()  # the CLI's kernels and threads, before torch loads
 
-# the CLI's environment before torch loads: kernels pinned as `grpo` pins them, so that an
-# SFT reference built here is the one `make run` would build under the same cache key
-quiet_environment()
 
 CASES = [("1 rank, ZeRO-0", 1, 0), ("2 ranks, ZeRO-2", 2, 2), ("2 ranks, ZeRO-3", 2, 3)]
 

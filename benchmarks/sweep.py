@@ -6,17 +6,13 @@ Each --variant is a ';'-separated list of overrides; results go to benchmarks/sw
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import bench_env  # noqa: E402
 
-from grpo.launch.environment import quiet_environment  # noqa: E402
+bench_env.prepare()  # the CLI's kernels and threads, before torch loads
 
-# the CLI's environment before torch loads: kernels pinned as `grpo` pins them, so that an
-# SFT reference built here is the one `make run` would build under the same cache key
-quiet_environment()
 
 from grpo.config import load_config  # noqa: E402
 from grpo.eval.metrics import paired_difference  # noqa: E402

@@ -14,20 +14,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import bench_env  # noqa: E402
 
-from grpo.launch.environment import quiet_environment  # noqa: E402
-
-# the CLI's environment before torch loads: kernels pinned as `grpo` pins them, so that an
-# SFT reference built here is the one `make run` would build under the same cache key
-quiet_environment()
+bench_env.prepare()  # the CLI's kernels and threads, before torch loads
 
 
 def _recorder():  # noqa: ANN202

@@ -23,12 +23,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import bench_env  # noqa: E402
 
-from grpo.launch.environment import quiet_environment  # noqa: E402
+bench_env.prepare()  # the CLI's kernels and threads, before torch loads
 
-# the CLI's environment before torch loads (the same kernels as `grpo train`)
-quiet_environment()
 
 CONFIG = ROOT / "configs" / "smollm2-135m.yaml"
 WARMUP = 1
