@@ -14,7 +14,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +125,67 @@ class _Budget:
 VAL_BATCH = 256
 
 
+class _PlateauStop:
+    """The reference's policy: the learning rate cut on plateaus, a new best validation loss
+    keeps its weights (never a smaller gain than min_delta, which is noise), the last plateau
+    ends training."""
+
+    def __init__(self, plateau: PlateauLR) -> None:
+        self.plateau, self.lr_fn, self.best = plateau, plateau, math.inf
+        self.stopped = False
+
+    def before_optimizer_step(self, step: int) -> None:
+        pass
+
+    def after_step(self, device: torch.device, world: int) -> bool:
+        return False  # only validations end it
+
+    def keep(self, rec: dict[str, float]) -> bool:
+        vl = rec["val_loss"]
+        better = vl < self.best - self.plateau.min_delta
+        self.best = min(self.best, vl)
+        self.stopped = self.plateau.report(vl)
+        return better
+
+    def cuts(self, total: int) -> str:
+        return f"{self.plateau.cuts_made}/{total}"
+
+
+class _BudgetStop:
+    """The control's policy: the rate anneals over its budget, which ends training when spent;
+    with a selection split it keeps its best step by GRPO's rule (grpo.eval.selection),
+    otherwise its last weights."""
+
+    def __init__(self, budget: _Budget, warmup: int, select: Callable[[], float] | None) -> None:
+        self.budget, self.select = budget, select
+        self.lr_fn = paced_cosine(warmup, budget.fraction)
+        self.selection = Selection() if select is not None else None
+        self.best, self.stopped = math.inf, False
+
+    def before_optimizer_step(self, step: int) -> None:
+        # counted before the optimizer step, which sets the next step's rate: that rate then
+        # has this step done, and is zero after a step budget's last step
+        self.budget.step = step + 1
+
+    def after_step(self, device: torch.device, world: int) -> bool:
+        spent = self.budget.spent()
+        if world > 1:  # ranks' clocks differ: all stop at the same step
+            spent = all_reduce_sum([float(spent)], device)[0] > 0
+        self.stopped = spent
+        return spent
+
+    def keep(self, rec: dict[str, float]) -> bool:
+        if "val_loss" in rec:
+            self.best = min(self.best, rec["val_loss"])
+        if self.selection is None:
+            return True
+        rec["select_accuracy"] = self.select()
+        return self.selection.record(int(rec["step"]), rec["select_accuracy"])
+
+    def cuts(self, total: int) -> str:
+        return "-"
+
+
 def train_reference(
     cfg: Config, base_dir: str | Path, out_dir: str | Path, sets: dict[str, list[dict]],
     progress: bool = True,
@@ -135,8 +196,8 @@ def train_reference(
     even by a run shorter than one validation interval."""
     s = cfg.sft
     plateau = PlateauLR(s.warmup_steps, s.patience, s.lr_cuts, s.lr_cut_factor)
-    return _train(cfg, base_dir, out_dir, sets, range(s.max_epochs), plateau=plateau,
-                  progress=progress)  # fmt: skip
+    return _train(cfg, base_dir, out_dir, sets, range(s.max_epochs),
+                  lambda _select: _PlateauStop(plateau), progress=progress)  # fmt: skip
 
 
 def train_control(
@@ -149,19 +210,21 @@ def train_control(
     (sft.control_steps), its learning rate annealed over that budget whatever the plateaus;
     its last weights go to out_dir."""
     budget = _Budget(max_seconds, follow, max_steps)
-    return _train(cfg, policy_dir, out_dir, sets, itertools.count(), budget=budget,
-                  progress=False)  # fmt: skip
+
+    def policy(select: Callable[[], float] | None) -> _BudgetStop:
+        return _BudgetStop(budget, cfg.sft.warmup_steps, select if sets.get("select") else None)
+
+    return _train(cfg, policy_dir, out_dir, sets, itertools.count(), policy, progress=False)
 
 
 def _train(
     cfg: Config, base_dir: str | Path, out_dir: str | Path, sets: dict[str, list[dict]],
-    epochs: Iterable[int], *, plateau: PlateauLR | None = None, budget: _Budget | None = None,
+    epochs: Iterable[int], make_policy: Callable[[Callable[[], float]], Any], *,
     progress: bool = True,
 ) -> dict[str, Any]:  # fmt: skip
-    """The SFT loop both runs share. With `plateau` (the reference) it is the learning rate, a
-    validation that is a new best saves the weights and plateaus end training; with `budget`
-    (the control) the rate anneals over the budget, every validation saves and the spent budget
-    ends training."""
+    """The SFT loop both runs share; `make_policy(select_accuracy)` gives what differs between
+    them (the learning rate, which weights to keep, what ends training): _PlateauStop for the
+    reference, _BudgetStop for the control."""
     rank, world = init_distributed(cfg.deepspeed.timeout_s)
     device = device_for(cfg)
     torch.manual_seed(cfg.seed)
@@ -172,28 +235,12 @@ def _train(
         raise ValueError(f"sft.batch_size ({s.batch_size}) must be divisible by {world} ranks")
     train = _encode(tok, sets["sft"], cfg)
     val = _encode(tok, sets["sft_val"], cfg)[rank::world]
+    select_rows = sets.get("select", [])
     steps_per_epoch = math.ceil(len(train) / s.batch_size)
-    lr_fn = plateau if plateau is not None else paced_cosine(s.warmup_steps, budget.fraction)
-    engine, _ = build_engine(
-        model, cfg, micro_batch=s.batch_size // world, grad_accum=1, lr=s.lr,
-        weight_decay=s.weight_decay, max_grad_norm=s.max_grad_norm, lr_fn=lr_fn,
-    )  # fmt: skip
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    log_path = out_dir.with_name(out_dir.name + "_metrics.jsonl")
-    log = log_path.open("w") if rank == 0 else None
-    best, step, t0 = math.inf, 0, time.time()
-    history: list[dict[str, float]] = []
-    rng = random.Random(cfg.seed)
-    # no total: the plateau, not max_epochs, ends training, so a bar to the cap would mislead
-    bar = progress_bar(None, "sft", "step", enabled=progress and not rank)
-    stop = spent = False
-    loss_sum, n = torch.zeros(()), 0
-    # the control with a selection split keeps its best step by GRPO's rule; else its last
-    select_rows = sets.get("select", []) if budget is not None else []
-    selection = Selection() if select_rows else None
+    engine: Any = None
 
     def select_accuracy() -> float:
+        """Greedy accuracy on the selection split, sharded over ranks."""
         engine.eval()
         with gathered(engine.module, cfg.deepspeed.zero_stage):
             recs = generate_for_rows(engine.module, tok, select_rows[rank::world], cfg, device,
@@ -202,40 +249,41 @@ def _train(
         correct, total = all_reduce_sum([sum(r["correct"] for r in recs), len(recs)], device)
         return correct / max(total, 1)
 
-    def select(rec: dict[str, float]) -> bool:
-        """Record the step's selection accuracy; True when its weights are the new best."""
-        rec["select_accuracy"] = select_accuracy()
-        return selection.record(int(rec["step"]), rec["select_accuracy"])
+    policy = make_policy(select_accuracy)
+    engine, _ = build_engine(
+        model, cfg, micro_batch=s.batch_size // world, grad_accum=1, lr=s.lr,
+        weight_decay=s.weight_decay, max_grad_norm=s.max_grad_norm, lr_fn=policy.lr_fn,
+    )  # fmt: skip
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    log_path = out_dir.with_name(out_dir.name + "_metrics.jsonl")
+    log = log_path.open("w") if rank == 0 else None
+    step, t0 = 0, time.time()
+    history: list[dict[str, float]] = []
+    rng = random.Random(cfg.seed)
+    # no total: the plateau, not max_epochs, ends training, so a bar to the cap would mislead
+    bar = progress_bar(None, "sft", "step", enabled=progress and not rank)
+    loss_sum, n = torch.zeros(()), 0
 
-    if selection is not None:  # the starting policy is a candidate too, as in GRPO
-        start_rec = {"step": 0, "elapsed_s": 0.0}
-        select(start_rec)
-        save_policy(engine, tok, out_dir, rank, cfg.deepspeed.zero_stage)
-        history.append(start_rec)
-        if log:
-            log.write(json.dumps(start_rec) + "\n")
-
-    def validate() -> None:
-        nonlocal best, stop
-        vl = _val_loss(engine, val, tok.pad_token_id, device, VAL_BATCH)
-        rec = {"step": step, "train_loss": float(loss_sum.detach()) / max(n, 1), "val_loss": vl,
-               "elapsed_s": time.time() - t0, "lr": float(engine.get_lr()[0])}  # fmt: skip
-        keep = select(rec) if selection is not None else None
+    def record(rec: dict[str, float]) -> None:
+        """A validation (or the start's selection): kept weights saved, the record logged."""
+        if policy.keep(rec):
+            save_policy(engine, tok, out_dir, rank, cfg.deepspeed.zero_stage)
         history.append(rec)
         if log:
             log.write(json.dumps(rec) + "\n")
             log.flush()
-        cuts = f"{plateau.cuts_made}/{s.lr_cuts}" if plateau else "-"
-        bar.set_postfix(val_loss=f"{vl:.4f}", best=f"{min(best, vl):.4f}", lr_cuts=cuts,
-                        refresh=False)  # fmt: skip
-        # the reference keeps its best validation loss (never a smaller gain than the
-        # plateau's min_delta, which is noise); the control its best selection step, or its
-        # last weights without a selection split
-        if keep if keep is not None else (plateau is None or vl < best - plateau.min_delta):
-            save_policy(engine, tok, out_dir, rank, cfg.deepspeed.zero_stage)
-        best = min(best, vl)
-        if plateau is not None:  # the control's rate follows its budget, never the plateaus
-            stop = plateau.report(vl)
+
+    if getattr(policy, "selection", None) is not None:  # the start is a candidate, as in GRPO
+        record({"step": 0, "elapsed_s": 0.0})
+
+    def validate() -> None:
+        vl = _val_loss(engine, val, tok.pad_token_id, device, VAL_BATCH)
+        record({"step": step, "train_loss": float(loss_sum.detach()) / max(n, 1),
+                "val_loss": vl, "elapsed_s": time.time() - t0,
+                "lr": float(engine.get_lr()[0])})  # fmt: skip
+        bar.set_postfix(val_loss=f"{vl:.4f}", best=f"{policy.best:.4f}",
+                        lr_cuts=policy.cuts(s.lr_cuts), refresh=False)  # fmt: skip
 
     for _epoch in epochs:
         order = list(range(len(train)))
@@ -245,22 +293,16 @@ def _train(
             batch = _collate([train[i] for i in idx], tok.pad_token_id, device)
             loss_sum, n = _token_loss(engine, batch)
             engine.backward(loss_sum / max(n, 1))
-            if budget is not None:
-                # counted before the optimizer step, which sets the next step's rate: that
-                # rate then has this step done, and is zero after a step budget's last step
-                budget.step = step + 1
+            policy.before_optimizer_step(step)
             engine.step()
             step += 1
             bar.update(1)
-            if budget is not None:
-                spent = budget.spent()
-                if world > 1:  # ranks' clocks differ: all stop at the same step
-                    spent = all_reduce_sum([float(spent)], device)[0] > 0
+            spent = policy.after_step(device, world)
             if step % s.eval_every == 0 or spent:
                 validate()
-            if stop or spent:
+            if policy.stopped:
                 break
-        if stop or spent:
+        if policy.stopped:
             break
     if not history or history[-1]["step"] != step:
         validate()  # max_epochs ended it between validations: the last step counts too
@@ -268,16 +310,17 @@ def _train(
     if log:
         log.close()
     extra: dict[str, Any] = {}
-    if selection is not None:  # the last step's weights too, evaluated beside the selected
+    if getattr(policy, "selection", None) is not None:  # the last weights too, evaluated beside
         save_policy(engine, tok, out_dir.with_name(out_dir.name + "_last"), rank,
                     cfg.deepspeed.zero_stage)  # fmt: skip
-        extra["selection"] = selection.summary(step)
+        extra["selection"] = policy.selection.summary(step)
+    plateau = getattr(policy, "plateau", None)
     return {
         **extra,
-        "best_val_loss": best,
+        "best_val_loss": policy.best,
         "steps": step,
         "epochs": step / steps_per_epoch,
-        "early_stopped": stop,
+        "early_stopped": isinstance(policy, _PlateauStop) and policy.stopped,
         "lr_cuts": plateau.cuts_made if plateau else 0,
         "seconds": time.time() - t0,
         "history": history,
