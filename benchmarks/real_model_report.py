@@ -1,14 +1,15 @@
-"""benchmarks/REAL_MODEL.md from a finished `grpo pipeline --config configs/smollm2-135m.yaml`.
+"""The measured part of benchmarks/REAL_MODEL.md, from a finished
+`grpo pipeline --config configs/smollm2-135m.yaml` (one run directory per seed).
 
-Reads the pipeline's run directory (eval/<model>/samples.jsonl, grpo/metrics.jsonl, the
-control's metrics) and writes the held-out table under two answer readings (strict: the reward's
-own, math-verify on the <answer> block or the text's last expression; lenient: the last number
-in the text), paired 95% intervals, the reward and length curves, and the same problems'
-completions before and after. With --speed it also times the fast sampler against transformers'
-generate at the config's batch, side by side (medians of --repeats).
+Reads each run's eval/<model>/samples.jsonl (greedy) and samples_sampled.jsonl (pass@k at the
+training temperature), grpo/metrics.jsonl, the control's metrics and both selection summaries,
+and writes: the held-out table (strict: the training reward's reading; lenient: the last number
+in the text), the paired differences with 95% intervals (`grpo - sft_continued` first), the
+selection, the curves, and the same problems before and after. Several --run-dir give the
+GRPO - control difference per seed and its spread.
 
     python benchmarks/real_model_report.py --run-dir runs/smollm2-135m/<parent run id> \
-        --wall "52 min 10 s" [--speed]
+        --wall "71 min" --peak-rss "9.8 GB" --out benchmarks/REAL_MODEL_RESULT.md
 """
 
 from __future__ import annotations
@@ -16,168 +17,198 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LABELS = ("reference", "grpo", "sft_continued")
+LABELS = ("reference", "grpo", "sft_continued", "grpo_last", "sft_continued_last")
+SETS = ("synthetic", "synthetic_ood")
+PAIRS = (  # (minus, model): model - minus
+    ("sft_continued", "grpo"),
+    ("reference", "grpo"),
+    ("reference", "sft_continued"),
+    ("sft_continued_last", "grpo_last"),
+    ("grpo_last", "grpo"),
+)
 
 
-def _samples(run_dir: Path, label: str) -> list[dict]:
-    path = run_dir / "eval" / label / "samples.jsonl"
+def _jsonl(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.open()] if path.exists() else []
 
 
-def _curves(rows: list[dict], out: Path) -> None:
+def _by_set(recs: list[dict], s: str) -> list[dict]:
+    return [r for r in recs if r["set"] == s]
+
+
+def _curves(rows: list[dict], control: list[dict], out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r["step"] for r in rows]
-    fig, ax = plt.subplots(1, 3, figsize=(13, 3.4))
+    steps = [r["step"] for r in rows if "reward" in r]
+    fig, ax = plt.subplots(1, 4, figsize=(17, 3.4))
     panels = (
-        ("reward", "training reward (accuracy + soft overlong penalty)"),
+        ("reward", "training reward (accuracy + 0.1 format)"),
         ("completions/mean_length", "completion tokens (mean)"),
         ("completions/clipped_ratio", "share hitting the token limit"),
     )
-    for a, (key, title) in zip(ax, panels):
-        a.plot(steps, [r[key] for r in rows], marker=".")
+    for a, (key, title) in zip(ax, panels, strict=False):
+        a.plot(steps, [r[key] for r in rows if "reward" in r], marker=".")
         a.set_title(title, fontsize=10)
         a.set_xlabel("GRPO step")
         a.grid(alpha=0.3)
+    sel = [(r["step"], r["select/accuracy"]) for r in rows if "select/accuracy" in r]
+    ax[3].plot(*zip(*sel, strict=True), marker="o", label="GRPO (x: GRPO step)")
+    ctl = [(r["step"], r["select_accuracy"]) for r in control if "select_accuracy" in r]
+    if ctl:
+        ax[3].plot(*zip(*ctl, strict=True), marker="s", label="control (x: SFT step)")
+    ax[3].set_title("selection-split accuracy (greedy)", fontsize=10)
+    ax[3].legend(fontsize=8)
+    ax[3].grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 
 
-def _speed(cfg_path: Path, repeats: int) -> list[str]:
-    """Completions per second of both engines on the same prompts, side by side."""
-    import torch
+def _model_rows(run_dir: Path) -> list[str]:
+    from grpo.eval.metrics import summarize
 
-    from grpo.config import load_config
-    from grpo.data.sets import training_sets
-    from grpo.launch.paths import base_model_dir
-    from grpo.models.generate import generate
-    from grpo.models.loading import eos_token_ids, load_model, load_tokenizer
-    from grpo.models.prompts import encode_prompts
+    lines = [
+        "| set | model | problems | greedy strict | greedy lenient | sampled pass@1 | pass@8 "
+        "| maj@8 | mean length | truncated |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in SETS:
+        for label in LABELS:
+            recs = _by_set(_jsonl(run_dir / "eval" / label / "samples.jsonl"), s)
+            if not recs:
+                continue
+            m = summarize(recs)
+            sampled = _by_set(_jsonl(run_dir / "eval" / label / "samples_sampled.jsonl"), s)
+            k = summarize(sampled) if sampled else {}
+            fmt = lambda key, k=k: f"{k[key]:.3f}" if key in k else "-"  # noqa: E731
+            lines.append(
+                f"| {s} | {label} | {int(m['num_problems'])} | {m['accuracy']:.3f} "
+                f"[{m['accuracy_ci_low']:.3f}, {m['accuracy_ci_high']:.3f}] | "
+                f"{m['accuracy_lenient']:.3f} | {fmt('mean_accuracy')} | {fmt('pass@8')} | "
+                f"{fmt('maj@8')} | {m['mean_length']:.1f} | {m['truncation_rate']:.3f} |"
+            )
+    return lines
 
-    cfg = load_config(cfg_path)
-    g = cfg.grpo
-    model_dir = base_model_dir(cfg)
-    tok, model = load_tokenizer(model_dir), load_model(model_dir, trainable=False)
-    eos = eos_token_ids(tok, model)
-    rows = training_sets(cfg)["train"][: g.prompts_per_step]
-    ids, mask = encode_prompts(tok, [r["prompt"] for r in rows], cfg, torch.device("cpu"))
-    times: dict[str, list[float]] = {"fast": [], "hf": []}
-    tokens: dict[str, list[int]] = {"fast": [], "hf": []}
-    for rep in range(repeats + 1):
-        for engine in ("fast", "hf"):
-            torch.manual_seed(rep)
-            t0 = time.perf_counter()
-            ro = generate(model, ids, mask, num_generations=g.num_generations,
-                          max_completion_length=g.max_completion_length, eos_token_id=eos,
-                          pad_token_id=tok.pad_token_id, temperature=g.temperature,
-                          engine=engine)  # fmt: skip
-            if rep:  # the first round warms both up
-                times[engine].append(time.perf_counter() - t0)
-                tokens[engine].append(int(ro.completion_mask.sum()))
-    lines = ["| engine | median seconds | tokens / s |", "|---|---|---|"]
-    for e in ("fast", "hf"):
-        med = statistics.median(times[e])
-        lines.append(f"| {e} | {med:.1f} | {statistics.median(tokens[e]) / med:.0f} |")
-    ratio = statistics.median(times["hf"]) / statistics.median(times["fast"])
-    lines.append("")
-    lines.append(f"The fast sampler is {ratio:.2f}x transformers' generate in time at "
-                 f"{g.prompts_per_step} prompts x {g.num_generations} completions x "
-                 f"{g.max_completion_length} tokens, {torch.get_num_threads()} threads "
-                 f"(medians of {repeats}, the engines alternated in one process).")  # fmt: skip
+
+def _paired_rows(run_dir: Path) -> list[str]:
+    from grpo.eval.metrics import format_paired, paired_difference
+
+    samples = {label: _jsonl(run_dir / "eval" / label / "samples.jsonl") for label in LABELS}
+    head = "| comparison | " + " | ".join(f"{s} strict | {s} lenient" for s in SETS) + " |"
+    lines = [head, "|---|" + "---|" * (2 * len(SETS))]
+    for minus, model in PAIRS:
+        if not (samples[minus] and samples[model]):
+            continue
+        cells = []
+        for s in SETS:
+            a, b = _by_set(samples[minus], s), _by_set(samples[model], s)
+            cells.append(format_paired(paired_difference(a, b)))
+            cells.append(format_paired(paired_difference(a, b, key="correct_lenient")))
+        lines.append(f"| {model} - {minus} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _seed_rows(run_dirs: list[Path]) -> list[str]:
+    from grpo.eval.metrics import format_paired, paired_difference
+
+    lines = ["| seed | run | grpo - sft_continued (in-distribution, strict) |", "|---|---|---|"]
+    diffs = []
+    for rd in run_dirs:
+        cfg = (rd / "grpo" / "config.yaml").read_text()
+        seed = next((ln.split(":")[1].strip() for ln in cfg.splitlines()
+                     if ln.startswith("seed:")), "?")  # fmt: skip
+        a = _by_set(_jsonl(rd / "eval" / "sft_continued" / "samples.jsonl"), SETS[0])
+        b = _by_set(_jsonl(rd / "eval" / "grpo" / "samples.jsonl"), SETS[0])
+        d = paired_difference(a, b)
+        diffs.append(d["diff"])
+        lines.append(f"| {seed} | `{rd.name}` | {format_paired(d)} |")
+    if len(diffs) > 1:
+        lines.append(f"| spread | | mean {statistics.mean(diffs):+.3f}, from {min(diffs):+.3f} "
+                     f"to {max(diffs):+.3f} |")  # fmt: skip
+    return lines
+
+
+def _before_after(run_dir: Path, n: int = 8) -> list[str]:
+    samples = {label: {r["id"]: r for r in _jsonl(run_dir / "eval" / label / "samples.jsonl")
+                       if r["sample"] == 0}
+               for label in ("reference", "grpo", "sft_continued")}  # fmt: skip
+    if not all(samples.values()):
+        return []
+    lines = ["| problem | gold | reference | grpo | sft_continued |", "|---|---|---|---|---|"]
+    clip = lambda t: t.replace("\n", " ").replace("|", "/")[:90]  # noqa: E731
+    # the problems where the three disagree first: where RL and SFT differ is what to read
+    ids = sorted(samples["grpo"], key=lambda i: (
+        len({samples[m][i]["correct"] for m in samples if i in samples[m]}) == 1, i))  # fmt: skip
+    for i in ids[:n]:
+        ref, g, c = samples["reference"][i], samples["grpo"][i], samples["sft_continued"][i]
+        mark = lambda r: ("✓ " if r["correct"] else "✗ ") + clip(r["completion"])  # noqa: E731
+        lines.append(f"| `{g['prompt']}` | {g['gold']} | {mark(ref)} | {mark(g)} | {mark(c)} |")
     return lines
 
 
 def main() -> None:
-    from grpo.eval.metrics import format_paired, paired_difference, summarize
-
     p = argparse.ArgumentParser()
-    p.add_argument("--run-dir", required=True)
-    p.add_argument("--config", default=str(ROOT / "configs" / "smollm2-135m.yaml"))
-    p.add_argument("--wall", required=True, help="the pipeline's measured wall time, as text")
-    p.add_argument("--speed", action="store_true")
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "REAL_MODEL.md"))
+    p.add_argument(
+        "--run-dir",
+        action="append",
+        required=True,
+        help="a pipeline run directory; repeat for several seeds (the first is shown)",
+    )
+    p.add_argument("--wall", required=True, help="the whole pipeline's wall time, as text")
+    p.add_argument("--peak-rss", required=True, help="the largest process's peak RSS, as text")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "REAL_MODEL_RESULT.md"))
     a = p.parse_args()
-    run_dir = Path(a.run_dir)
-    samples = {label: _samples(run_dir, label) for label in LABELS}
-    samples = {k: v for k, v in samples.items() if v}
+    runs = [Path(r) for r in a.run_dir]
+    run_dir = runs[0]
+    rows = _jsonl(run_dir / "grpo" / "metrics.jsonl")
+    control = _jsonl(run_dir / "sft_continued_metrics.jsonl")
+    _curves(rows, control, ROOT / "benchmarks" / "real_model_curves.png")
+    sel_g = json.loads((run_dir / "grpo" / "selection_summary.json").read_text())
+    ctl = json.loads((run_dir / "sft_continued" / "control_summary.json").read_text())
+    sft = sorted(run_dir.parent.parent.glob("sft/*/sft_summary.json"))
+    step_times = [r["step_time"] for r in rows if "step_time" in r]
     lines = [
-        "# A real pretrained model on 2 CPU cores: SmolLM2-135M-Instruct",
+        "## Measured: the run",
         "",
-        "Reproduce (after `make install-real`, no network):",
+        f"Whole pipeline: {a.wall} wall, peak RSS of the largest process {a.peak_rss}. "
+        f"GRPO {len(step_times)} steps, a median {statistics.median(step_times):.1f} s a step; "
+        f"the control {ctl['steps']} SFT steps in {ctl['seconds']:.0f} s beside it.",
         "",
-        "```text",
-        "grpo pipeline --config configs/smollm2-135m.yaml",
-        "python benchmarks/real_model_report.py --run-dir runs/smollm2-135m/<run id> --wall ... "
-        "--speed",
-        "```",
+        f"Selected: GRPO step {sel_g['selected_step']} of {sel_g['last_step']} "
+        f"(selection accuracy {sel_g['selected_accuracy']:.3f}); the control's step "
+        f"{ctl['selection']['selected_step']} of {ctl['selection']['last_step']} "
+        f"({ctl['selection']['selected_accuracy']:.3f}). Rule: {sel_g['rule']}.",
         "",
-        f"Wall time of the whole pipeline: {a.wall} (conversion of the GGUF file, validation, "
-        "GRPO and the control side by side, evaluation of three models, registration).",
+        "### Held-out accuracy",
         "",
-        "## Held-out accuracy (synthetic addition, greedy, 64 new tokens)",
+        *_model_rows(run_dir),
         "",
-        "strict: the training reward's reading (math-verify on the `<answer>` block, else the "
-        "text's final expression); lenient: the last number written anywhere in the text.",
+        "### Paired differences (same problems, 95% normal intervals)",
         "",
-        "| model | problems | strict | lenient | mean length | truncated |",
-        "|---|---|---|---|---|---|",
+        *_paired_rows(run_dir),
+        "",
+        "### Seeds",
+        "",
+        *_seed_rows(runs),
+        "",
+        "### Curves",
+        "",
+        "![curves](real_model_curves.png)",
+        "",
+        "### The same problems before and after (disagreements first)",
+        "",
+        *_before_after(run_dir),
     ]
-    for label, recs in samples.items():
-        m = summarize(recs)
-        lines.append(
-            f"| {label} | {int(m['num_problems'])} | {m['accuracy']:.3f} "
-            f"[{m['accuracy_ci_low']:.3f}, {m['accuracy_ci_high']:.3f}] | "
-            f"{m['accuracy_lenient']:.3f} | {m['mean_length']:.1f} | {m['truncation_rate']:.3f} |"
-        )
-    lines += ["", "Paired differences on the same problems (95% normal intervals):", "",
-              "| comparison | strict | lenient |", "|---|---|---|"]  # fmt: skip
-    for a_, b_ in (
-        ("reference", "grpo"),
-        ("sft_continued", "grpo"),
-        ("reference", "sft_continued"),
-    ):
-        if a_ in samples and b_ in samples:
-            d = paired_difference(samples[a_], samples[b_])
-            dl = paired_difference(samples[a_], samples[b_], key="correct_lenient")
-            lines.append(f"| {b_} - {a_} | {format_paired(d)} | {format_paired(dl)} |")
-    metrics = [json.loads(x) for x in (run_dir / "grpo" / "metrics.jsonl").open()]
-    _curves(metrics, ROOT / "benchmarks" / "real_model_curves.png")
-    step_times = [r["step_time"] for r in metrics]
-    control = run_dir / "sft_continued" / "control_summary.json"
-    lines += [
-        "",
-        "## Training",
-        "",
-        f"GRPO: {len(metrics)} steps, median {statistics.median(step_times):.0f} s a step on one "
-        f"core (the control trained on the other).",
-    ]
-    if control.exists():
-        c = json.loads(control.read_text())
-        lines.append(f"The control: {c['steps']} SFT steps in {c['seconds']:.0f} s on the "
-                     "worked solutions, from the same instruct model.")  # fmt: skip
-    lines += ["", "![curves](real_model_curves.png)", ""]
-    if "grpo" in samples and "reference" in samples:
-        lines += ["## The same problems before and after", "",
-                  "| problem | gold | reference | grpo |", "|---|---|---|---|"]  # fmt: skip
-        ref = {r["id"]: r for r in samples["reference"] if r["sample"] == 0}
-        shown = 0
-        for r in samples["grpo"]:
-            if r["sample"] or r["id"] not in ref or shown >= 8:
-                continue
-            clip = lambda t: t.replace("\n", " ").replace("|", "/")[:110]  # noqa: E731
-            lines.append(f"| `{r['prompt']}` | {r['gold']} | {clip(ref[r['id']]['completion'])} "
-                         f"| {clip(r['completion'])} |")  # fmt: skip
-            shown += 1
-    if a.speed:
-        lines += ["", "## The fast sampler on this model", ""] + _speed(Path(a.config), a.repeats)
+    if sft:
+        s = json.loads(sft[-1].read_text())
+        lines += ["", f"The SFT reference: {s['steps']} steps, best validation loss "
+                  f"{s['best_val_loss']:.4f}, {s['lr_cuts']} learning-rate cut(s), "
+                  f"{s['seconds']:.0f} s."]  # fmt: skip
     Path(a.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

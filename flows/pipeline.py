@@ -58,21 +58,9 @@ def grpo_pipeline(params: PipelineParams = PipelineParams()) -> Any:  # noqa: B0
         run_dir = Path(cfg.output_dir) / cfg.run_name / pid
         print(f"resuming pipeline run {pid} in {run_dir}")
     else:
-        parent = c.create_run(
-            exp_id,
-            run_name=f"{cfg.run_name}-{time.strftime('%Y%m%d-%H%M%S')}",
-            tags={"mlflow.source.git.commit": tracking.git_commit(), "mlflow.source.type": "JOB",
-                  "mlflow.source.name": "flows/pipeline.py:grpo_pipeline",
-                  "config_digest": cfg.digest(), "data_hash": cfg.digest("data"),
-                  "pipeline_version": tracking.package_version(), "run_kind": "pipeline",
-                  **tracking.machine_tags(),
-                  **tracking.owner_tags()},
-        )  # fmt: skip
-        pid = parent.info.run_id
+        pid = tracking.start_pipeline_run(c, exp_id, cfg, "flows/pipeline.py:grpo_pipeline")
         run_dir = Path(cfg.output_dir) / cfg.run_name / pid
         run_dir.mkdir(parents=True, exist_ok=True)
-        tracking.log_params(c, pid, tracking.safe_params(cfg))
-        c.log_dict(pid, cfg.model_dump(mode="json"), "config/resolved.json")
         print(f"pipeline run {pid} in {run_dir}")
     _link_mlflow_run(tracking.tracking_uri(cfg), exp_id, pid)
     t0 = time.time()

@@ -192,7 +192,6 @@ def train_policy(
     A retry resumes from the last checkpoint of the same run directory. `threads` limits its
     CPU threads (the control runs beside it on the others, paced by `pace_file`).
     """
-    import pandas as pd
 
     from grpo.engine.deepspeed_setup import ADAPTER_DIR
     from grpo.engine.run_files import trim_jsonl
@@ -219,13 +218,7 @@ def train_policy(
         log.info(f"{n} step metric rows in MLflow run {run_id} ({streamer.failures} failed)")
         rows = tracking.read_jsonl(out / "metrics.jsonl")
         tracking.mirror_to_parent(c, parent_id, rows, summary["seconds"])
-        plot = tracking.plot_curves(rows, out / "curves.png", f"GRPO {cfg.run_name}")
-        c.log_artifact(run_id, str(plot), "plots")
-        c.log_artifact(run_id, str(out / "deepspeed_config.json"), "config")
-        c.log_artifact(run_id, str(out / "config.yaml"), "config")
-        samples = tracking.read_jsonl(out / "completions.jsonl")
-        if samples:
-            c.log_table(run_id, data=pd.DataFrame(samples), artifact_file="completions.json")
+        tracking.log_grpo_files(c, run_id, out, rows, f"GRPO {cfg.run_name}")
         model_config = {
             "chat_template": cfg.model.chat_template,
             "system_prompt": cfg.model.system_prompt or SYSTEM_PROMPT,
@@ -257,14 +250,7 @@ def train_policy(
             f"step {m['step']}: {m['model_uri']}" for m in checkpoints))  # fmt: skip
         if (out / ADAPTER_DIR).is_dir():  # LoRA: the model above is merged; keep the adapter
             c.log_artifacts(run_id, str(out / ADAPTER_DIR), ADAPTER_DIR)
-        for k, v in summary.get("parameters", {}).items():
-            c.log_param(run_id, f"parameters.{k}", v)
-        # "auto" in the config; the tag says which engine actually sampled
-        c.set_tag(run_id, "generation_engine", summary.get("generation_engine", "unknown"))
-        if threads:
-            c.set_tag(run_id, "threads", str(threads))
-        # eval/inrun_subset_accuracy's problems: a subset, not the evaluate stage's whole sets
-        c.set_tag(run_id, "eval.inrun_subset_size", str(summary.get("inrun_subset_size", 0)))
+        tracking.log_grpo_summary(c, run_id, summary, threads)
     return {"policy": str(out / "policy"), "run_id": run_id, "seconds": summary["seconds"],
             "model_uri": model_uri, "selection": selection,
             "last_policy": str(out / "policy_last") if selection else None}  # fmt: skip

@@ -84,6 +84,43 @@ def _suite(name: str, df: Any, kind: str, min_rows: int, max_prompt_tokens: int)
     return suite
 
 
+def _validate_one(
+    ctx: Any, source: Any, name: str, df: Any, kind: str, cfg: Config, eval_limit: int | None
+) -> tuple[dict[str, Any], list[str]]:
+    """One dataset's suite run as a checkpoint: its summary, and a line per failure."""
+    import great_expectations as gx
+
+    asset = source.add_dataframe_asset(name)
+    batch_def = asset.add_batch_definition_whole_dataframe(f"{name}_all")
+    suite = ctx.suites.add(_suite(f"{name}_suite", df, kind, 1, cfg.grpo.max_prompt_length))
+    vd = ctx.validation_definitions.add(
+        gx.ValidationDefinition(name=f"{name}_validation", data=batch_def, suite=suite)
+    )
+    # no actions: the Data Docs site is built once for all datasets, not once per dataset (each
+    # build renders the whole site again, most of this stage's time on small sets)
+    cp = ctx.checkpoints.add(gx.Checkpoint(name=f"{name}_checkpoint", validation_definitions=[vd]))
+    res = cp.run(batch_parameters={"dataframe": df})
+    summary: dict[str, Any] = {"success": bool(res.success), "rows": len(df), "failed": []}
+    failures: list[str] = []
+    if kind == "heldout" and "prompt_tokens" in df:
+        over = df[df["prompt_tokens"] > eval_limit]
+        summary["left_out"] = [str(i) for i in over["id"]]
+        if len(over):
+            print(left_out_line(name, summary["left_out"], len(df), eval_limit))
+    for vr in res.run_results.values():
+        summary["expectations"] = summary.get("expectations", 0) + len(vr.results)
+        summary["passed"] = summary.get("passed", 0) + sum(bool(r.success) for r in vr.results)
+        for r in vr.results:
+            if not r.success:
+                cfg_ = r.expectation_config
+                col = cfg_.kwargs.get("column")
+                bad = _failing_rows(df, col, r.result)
+                desc = f"{cfg_.type}({col or ''})"
+                summary["failed"].append({"expectation": desc, "rows": bad})
+                failures.append(f"{name}: {desc} failed; e.g. rows {bad}")
+    return summary, failures
+
+
 def validate_datasets(cfg: Config, docs_dir: Path) -> dict[str, Any]:
     """Run every suite; write Data Docs HTML to docs_dir; raise on any failure."""
     import great_expectations as gx
@@ -97,6 +134,8 @@ def validate_datasets(cfg: Config, docs_dir: Path) -> dict[str, Any]:
     if "sft" in sets:
         datasets["sft"] = (sets["sft"], "sft")
         datasets["sft_val"] = (sets["sft_val"], "sft")
+    if sets["select"]:  # checked as held-out data is: no problem shared with training
+        datasets["select"] = (sets["select"], "heldout")
     for name in cfg.eval.sets:
         datasets[f"heldout_{set_label(name)}"] = (eval_set(name, cfg), "heldout")
 
@@ -125,36 +164,8 @@ def validate_datasets(cfg: Config, docs_dir: Path) -> dict[str, Any]:
     for name, (rows, kind) in datasets.items():
         bar.set_postfix_str(name)
         df = _frame(rows, train_prompts if kind == "heldout" else None, tok, cfg)
-        asset = source.add_dataframe_asset(name)
-        batch_def = asset.add_batch_definition_whole_dataframe(f"{name}_all")
-        suite = ctx.suites.add(_suite(f"{name}_suite", df, kind, 1, cfg.grpo.max_prompt_length))
-        vd = ctx.validation_definitions.add(
-            gx.ValidationDefinition(name=f"{name}_validation", data=batch_def, suite=suite)
-        )
-        # no actions: the Data Docs site is built once below, not once per dataset (each
-        # build renders the whole site again, most of this stage's time on small sets)
-        cp = ctx.checkpoints.add(
-            gx.Checkpoint(name=f"{name}_checkpoint", validation_definitions=[vd])
-        )
-        res = cp.run(batch_parameters={"dataframe": df})
-        summary = {"success": bool(res.success), "rows": len(df), "failed": []}
-        if kind == "heldout" and "prompt_tokens" in df:
-            over = df[df["prompt_tokens"] > eval_limit]
-            summary["left_out"] = [str(i) for i in over["id"]]
-            if len(over):
-                print(left_out_line(name, summary["left_out"], len(df), eval_limit))
-        for vr in res.run_results.values():
-            summary["expectations"] = summary.get("expectations", 0) + len(vr.results)
-            summary["passed"] = summary.get("passed", 0) + sum(bool(r.success) for r in vr.results)
-            for r in vr.results:
-                if not r.success:
-                    cfg_ = r.expectation_config
-                    col = cfg_.kwargs.get("column")
-                    bad = _failing_rows(df, col, r.result)
-                    desc = f"{cfg_.type}({col or ''})"
-                    summary["failed"].append({"expectation": desc, "rows": bad})
-                    failures.append(f"{name}: {desc} failed; e.g. rows {bad}")
-        results[name] = summary
+        results[name], failed = _validate_one(ctx, source, name, df, kind, cfg, eval_limit)
+        failures += failed
         bar.update(len(rows))
     bar.close()
     ctx.build_data_docs(site_names=[site])

@@ -17,6 +17,8 @@ from tasks.tracking.metrics import (
     MIRRORED,
     MetricsStreamer,
     log_evaluation,
+    log_grpo_files,
+    log_grpo_summary,
     log_metrics,
     log_step_metrics,
     mirror_to_parent,
@@ -50,6 +52,7 @@ from tasks.tracking.runs import (
     package_version,
     record_decision,
     reopen_parent,
+    start_pipeline_run,
 )
 
 __all__ = [
@@ -75,6 +78,8 @@ __all__ = [
     "system_monitor",
     "MetricsStreamer",
     "log_evaluation",
+    "log_grpo_files",
+    "log_grpo_summary",
     "plot_curves",
     "NUMERICS_VARS",
     "_machine",
@@ -97,4 +102,5 @@ __all__ = [
     "reopen_parent",
     "_resumable",
     "record_decision",
+    "start_pipeline_run",
 ]

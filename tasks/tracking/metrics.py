@@ -176,3 +176,34 @@ def log_evaluation(
     if samples:
         c.log_table(run_id, data=pd.DataFrame(samples), artifact_file=f"{prefix}eval/samples.json")
     c.log_artifacts(run_id, str(out_dir), f"{prefix}eval")
+
+
+def log_grpo_files(client: Any, run_id: str, out: Path, rows: list[dict[str, Any]],
+                   title: str) -> None:  # fmt: skip
+    """A GRPO run directory's files on its MLflow run: the step curves as a plot, the filled
+    DeepSpeed and run configs, and the sampled completions as a table."""
+    import pandas as pd
+
+    from tasks.tracking.plots import plot_curves
+
+    plot = plot_curves(rows, out / "curves.png", title)
+    client.log_artifact(run_id, str(plot), "plots")
+    client.log_artifact(run_id, str(out / "deepspeed_config.json"), "config")
+    client.log_artifact(run_id, str(out / "config.yaml"), "config")
+    samples = read_jsonl(out / "completions.jsonl")
+    if samples:
+        client.log_table(run_id, data=pd.DataFrame(samples), artifact_file="completions.json")
+
+
+def log_grpo_summary(
+    client: Any, run_id: str, summary: dict[str, Any], threads: int | None
+) -> None:
+    """What the ranks reported at the end: parameter counts, the engine that sampled ("auto" in
+    the config), the threads it ran on, the size of the in-run evaluation subset."""
+    for k, v in summary.get("parameters", {}).items():
+        client.log_param(run_id, f"parameters.{k}", v)
+    client.set_tag(run_id, "generation_engine", summary.get("generation_engine", "unknown"))
+    if threads:
+        client.set_tag(run_id, "threads", str(threads))
+    # the in-run curve's problems: a subset (or the selection split), not the evaluate stage's
+    client.set_tag(run_id, "eval.inrun_subset_size", str(summary.get("inrun_subset_size", 0)))

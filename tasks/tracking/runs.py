@@ -113,6 +113,28 @@ def _owner_alive(tags: dict[str, str]) -> bool:
         return False
 
 
+def start_pipeline_run(client: Any, experiment_id: str, cfg: Config, source: str) -> str:
+    """A pipeline's parent run: tagged with the commit, config and data digests, machine and
+    owner (so a killed one can be recognised), its params and resolved config logged; returns
+    its run id."""
+    import time
+
+    from tasks.tracking.params import log_params, safe_params
+
+    parent = client.create_run(
+        experiment_id,
+        run_name=f"{cfg.run_name}-{time.strftime('%Y%m%d-%H%M%S')}",
+        tags={"mlflow.source.git.commit": git_commit(), "mlflow.source.type": "JOB",
+              "mlflow.source.name": source, "config_digest": cfg.digest(),
+              "data_hash": cfg.digest("data"), "pipeline_version": package_version(),
+              "run_kind": "pipeline", **machine_tags(), **owner_tags()},
+    )  # fmt: skip
+    pid = parent.info.run_id
+    log_params(client, pid, safe_params(cfg))
+    client.log_dict(pid, cfg.model_dump(mode="json"), "config/resolved.json")
+    return pid
+
+
 KILLED_BY_TAG = "killed_by"
 
 
