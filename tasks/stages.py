@@ -117,8 +117,10 @@ def dataset_inputs(cfg: Config) -> list[Any]:
                                   "seed": str(cfg.data.seed)})  # fmt: skip
 
     files = {"train": cfg.data.train_path, "sft": cfg.data.sft_path, "sft_val": cfg.data.sft_path}
-    named = {k: (rows, source(files[k] if cfg.data.task == "files" else None, k), "training")
-             for k, rows in training_sets(cfg).items()}  # fmt: skip
+    # the selection split chooses checkpoints: MLflow's "validation" context, not training
+    named = {k: (rows, source(files.get(k) if cfg.data.task == "files" else None, k),
+                 "validation" if k == "select" else "training")
+             for k, rows in training_sets(cfg).items() if rows}  # fmt: skip
     for n in cfg.eval.sets:
         path = eval_set_file(n)
         named[f"heldout_{set_label(n)}"] = (eval_set(n, cfg), source(path, n), "evaluation")

@@ -209,8 +209,8 @@ class EvalConfig(Strict):
     pass_k: int = Field(
         0, ge=0, le=64,
         description="besides the greedy completion that gives accuracy, this many completions "
-        "per problem sampled at grpo.temperature (the training distribution) for sampled_pass@k "
-        "and sampled_maj@k; 0: none. Needs eval.samples 1",
+        "per problem of the first eval set sampled at grpo.temperature (the training "
+        "distribution) for sampled_pass@k and sampled_maj@k; 0: none. Needs eval.samples 1",
     )  # fmt: skip
     temperature: float = Field(1.0, gt=0)
     limit: int | None = Field(None, gt=0)

@@ -115,8 +115,8 @@ def evaluate_model(
         progress: show a progress bar.
         base: the base model of a LoRA adapter.
         pass_k: sampled completions per problem at grpo.temperature beside the greedy one, for
-            sampled_pass@k and sampled_maj@k (default: eval.pass_k; their records go to
-            samples_sampled.jsonl).
+            sampled_pass@k and sampled_maj@k on the first set (default: eval.pass_k; their
+            records go to samples_sampled.jsonl).
     """
     from grpo.models import lora
     from grpo.models.loading import device_for, load_model, load_tokenizer
@@ -151,7 +151,7 @@ def evaluate_model(
             r["set"] = name
         report["sets"][name] = summarize(recs)
         k = cfg.eval.pass_k if pass_k is None else pass_k
-        if k and samples == 1:
+        if k and samples == 1 and name == sets[0]:  # k samples cost k greedy evaluations
             sampled = generate_for_rows(
                 model, tok, rows, cfg, device, samples=k, temperature=cfg.grpo.temperature,
                 batch_size=cfg.eval.batch_size, max_new_tokens=cfg.eval.max_new_tokens,
