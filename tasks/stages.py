@@ -330,8 +330,10 @@ def evaluate(cfg: Config, parent_id: str, models: dict[str, str], run_dir: Path)
         reports, samples = {}, {}
         for label, path in models.items():
             out = run_dir / "eval" / label
-            # sampled pass@k for the models compared, not for the last steps or the champion
-            main = label in ("reference", "grpo", "sft_continued")
+            # sampled pass@k for the two models compared (k samples cost k greedy evaluations):
+            # not for the reference (the selection split's is measured before training), the
+            # last steps or the champion
+            main = label in ("grpo", "sft_continued")
             reports[label] = evaluate_model(
                 cfg, path, cfg.eval.sets, str(out), samples=cfg.eval.samples,
                 limit=cfg.eval.limit, progress=False, pass_k=None if main else 0,
