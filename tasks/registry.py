@@ -154,7 +154,14 @@ def _alias_version(c: Any, name: str, alias: str) -> Any:
 
 def promote(cfg: Config, version: str, alias: str = "champion", reason: str = "") -> None:
     """Manual promotion or rollback, past the gate: point alias at version and record who did
-    it and why on the version."""
+    it and why on the version.
+
+    Args:
+        cfg: the config naming the tracking store and the registered model.
+        version: the model version to point the alias at (it must exist).
+        alias: champion by default; any alias name.
+        reason: why, recorded on the version with who and when.
+    """
     import getpass
     import time
 

@@ -223,7 +223,16 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Read a YAML config (or the defaults), apply overrides, validate."""
+    """Read a YAML config (or the defaults), apply overrides, validate.
+
+    Args:
+        path: a YAML file holding only what differs from the defaults (our names, or TRL's
+            GRPOConfig names, flat); None: the embedded default run.
+        overrides: `section.key=value` strings, values parsed as YAML (`grpo.lr=1e-4`).
+
+    Raises:
+        ConfigError: one message naming every invalid field, unknown key or ignored setting.
+    """
     data: dict[str, Any] = {}
     source = "defaults"
     if path is not None:

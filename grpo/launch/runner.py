@@ -335,8 +335,22 @@ def run_grpo(
     env: dict[str, str] | None = None,
     pace_file: Path | None = None,
 ) -> dict[str, Any]:
-    """GRPO from policy_dir into out_dir (policy/, checkpoints/, metrics.jsonl); with
-    pace_file, rank 0 writes its progress there after every step (for a control)."""
+    """GRPO from policy_dir into out_dir (policy/, checkpoints/, metrics.jsonl), in this
+    process or as DeepSpeed ranks (deepspeed.nproc, deepspeed.hostfile).
+
+    Args:
+        cfg: the run's config.
+        policy_dir: the starting policy (the SFT reference, or any model directory).
+        out_dir: the run directory; with a selection split policy/ is the selected step's.
+        resume: continue from out_dir's last checkpoint.
+        log: where the ranks' lines go.
+        env: extra environment for the ranks (OMP_NUM_THREADS beside a control).
+        pace_file: rank 0 writes its progress there after every step, for a control to follow.
+
+    Returns:
+        train_summary.json's contents: final metrics, seconds, the engine that sampled, and
+        the selection's summary when there is a selection split.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg_path = write_config(cfg, out_dir / "config.yaml")
     args = ["--policy", str(policy_dir), "--out", str(out_dir)] + (["--resume"] if resume else [])
