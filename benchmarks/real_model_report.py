@@ -124,6 +124,9 @@ def _seed_rows(run_dirs: list[Path]) -> list[str]:
                      if ln.startswith("seed:")), "?")  # fmt: skip
         a = _by_set(_jsonl(rd / "eval" / "sft_continued" / "samples.jsonl"), SETS[0])
         b = _by_set(_jsonl(rd / "eval" / "grpo" / "samples.jsonl"), SETS[0])
+        if not (a and b):  # an unfinished evaluation has no difference to show
+            lines.append(f"| {seed} | `{rd.name}` | not evaluated |")
+            continue
         d = paired_difference(a, b)
         diffs.append(d["diff"])
         lines.append(f"| {seed} | `{rd.name}` | {format_paired(d)} |")

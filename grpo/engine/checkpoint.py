@@ -81,8 +81,8 @@ def _mb(n: int) -> str:
 
 
 def write_failure(root: Path, step: int, e: BaseException) -> str:
-    """One line: what failed, the space there against what a checkpoint takes, what is kept.
-    (Before, a full disk read "RuntimeError: ... unexpected pos 1461888 vs 1461776".)"""
+    """One line: what failed, the space there against what a checkpoint takes, what is kept;
+    torch's own message for a full disk ("unexpected pos ...") names neither."""
     cause = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
     free = shutil.disk_usage(root).free
     prev = latest_tag(root)

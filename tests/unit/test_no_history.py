@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CODE = ("grpo", "reward_fns", "tasks", "flows", "infra", "cli")
 HISTORY = [
     (re.compile(r"`(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}`"), "a commit hash"),
-    (re.compile(r"\b(used to|previously|formerly)\b", re.I), "a past account"),
+    (re.compile(r"\b(used to|previously|formerly)\b|\(before,", re.I), "a past account"),
     (re.compile(r"CPU-s\b.{0,60}\bbefore\b|\bbefore\b.{0,60}\bCPU-s\b"), "a before/after timing"),
 ]
 
@@ -22,7 +22,7 @@ def history_lines(text: str) -> list[tuple[int, str, str]]:
 
 
 def test_the_check_finds_each_kind_of_history():
-    text = "x = 1  # fixed in `1bfb72c`\n# it used to hang\n# 27.4 CPU-s before, 16.0 after\n"
+    text = "x = 1  # fixed in `1bfb72c`\n# (Before, it hung.)\n# 27.4 CPU-s before, 16.0 after\n"
     assert [what for _, what, _ in history_lines(text)] == [
         "a commit hash",
         "a past account",
