@@ -94,16 +94,22 @@ def cmd_evaluate(a: argparse.Namespace) -> None:
         from grpo.eval.metrics import format_paired, paired_difference
 
         base_out = f"{out}_baseline"
-        evaluate_model(cfg, a.baseline, sets, base_out, samples=samples, limit=a.limit,
-                       base=a.base)  # fmt: skip
+        base_report = evaluate_model(cfg, a.baseline, sets, base_out, samples=samples,
+                                     limit=a.limit, base=a.base)  # fmt: skip
+        print(f"\nbaseline\n\n{markdown_table(base_report)}")
         mine = [json.loads(x) for x in Path(out, "samples.jsonl").open()]
         theirs = [json.loads(x) for x in Path(base_out, "samples.jsonl").open()]
-        print(f"\n{model} - {a.baseline} (same problems and samples, paired 95% CI):")
+        print(f"{model} - {a.baseline} (same problems and samples, paired 95% CI):")
+        paired = {}
         for s in sets:
-            d = paired_difference(
-                [r for r in theirs if r["set"] == s], [r for r in mine if r["set"] == s]
-            )
-            print(f"  {s:16s} {format_paired(d)}")
+            pair = [r for r in theirs if r["set"] == s], [r for r in mine if r["set"] == s]
+            paired[s] = {"strict": paired_difference(*pair),
+                         "lenient": paired_difference(*pair, key="correct_lenient")}  # fmt: skip
+            print(f"  {s:16s} {format_paired(paired[s]['strict'])}  "
+                  f"lenient {format_paired(paired[s]['lenient'])}")  # fmt: skip
+        # one report for both models: the baseline's own numbers, then the differences
+        report = {**report, "baseline": base_report, "paired_vs_baseline": paired}
+        Path(out, "report.json").write_text(json.dumps(report, indent=2))
     if os.environ.get("MLFLOW_RUN_ID"):  # inside an active MLflow run: log there too
         from tasks.tracking import log_evaluation
 
@@ -137,6 +143,21 @@ def cmd_promote(a: argparse.Namespace) -> None:
     cfg = _config(a)
     promote(cfg, a.version, alias=a.alias, reason=a.reason or "")
     print(f"{cfg.tracking.registered_model} version {a.version} is now @{a.alias}")
+
+
+def cmd_compare(a: argparse.Namespace) -> None:
+    from tasks import tracking
+    from tasks.compare import compare_runs, print_tables, to_markdown
+
+    cfg = _config(a)
+    tracking.check_reachable(cfg)
+    result = compare_runs(tracking.client(cfg), a.a, a.b)
+    if a.format == "json":
+        print(json.dumps(result, indent=1))
+    elif a.format == "markdown":
+        print(to_markdown(result))
+    else:
+        print_tables(result)
 
 
 def cmd_import_gguf(a: argparse.Namespace) -> None:

@@ -63,6 +63,21 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--version", required=True)
     pr.add_argument("--alias", default="champion")
     pr.add_argument("--reason", help="why (recorded on the version with who and when)")
+    cp = add(
+        "compare",
+        commands.cmd_compare,
+        "two pipeline runs side by side: params, held-out metrics, paired differences",
+    )
+    for side, what in (("a", "the first run"), ("b", "the second, read against the first (B - A)")):
+        cp.add_argument(side, metavar=side.upper(),
+                        help=f"{what}: an MLflow run id, a run name (its latest pipeline run) "
+                        "or models:/NAME/VERSION, models:/NAME@ALIAS")  # fmt: skip
+    cp.add_argument(
+        "--format",
+        choices=("table", "markdown", "json"),
+        default="table",
+        help="rich tables (default), markdown for notes and PR comments, json for CI",
+    )
     ig = add(
         "import-gguf", commands.cmd_import_gguf, "turn a GGUF file into a Hugging Face directory"
     )
@@ -145,6 +160,7 @@ RESUME = {
     "pipeline": "every stage stopped, its MLflow runs ended KILLED; `grpo pipeline --resume "
     "RUN_ID` (the MLflow run printed above) continues it, GRPO from its last checkpoint",
     "promote": "nothing was changed unless the alias line was printed",
+    "compare": "stopped; nothing was changed",
     "import-gguf": "stopped; the next run converts the file again",
     "worker": "the worker stopped; a flow run it had started ends Crashed",
 }

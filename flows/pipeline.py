@@ -97,6 +97,10 @@ def grpo_pipeline(params: PipelineParams = PipelineParams()) -> Any:  # noqa: B0
     except BaseException:
         c.set_terminated(pid, "FAILED")
         raise
+    # what the run cost, for `grpo compare` and the runs list: this process's wall time and the
+    # peak resident memory of the largest process it or its stages ran
+    tracking.log_metrics(c, pid, {"pipeline/seconds": time.time() - t0,
+                                  "pipeline/peak_rss_mb": tracking.peak_rss_mb()})  # fmt: skip
     c.set_tag(pid, "registered_version", reg["version"])
     tracking.record_decision(c, pid, reg)
     c.set_terminated(pid, "FINISHED")

@@ -13,6 +13,7 @@ from typing import Any
 from prefect import get_run_logger, task
 
 from grpo.config import Config
+from grpo.launch.paths import model_digest
 from tasks import tracking
 
 # seconds between system-metric samples (a shorter stage still gets one: system_monitor)
@@ -316,6 +317,22 @@ def sft_control(
     return str(out)
 
 
+# the models the pipeline compares, evaluated with sampled pass@k beside greedy decoding
+PASS_K_MODELS = ("grpo", "sft_continued")
+
+
+def _reuse_evaluation(src: Path, out: Path, model: str, same: str) -> dict[str, Any]:
+    """Copy the evaluation of a model with the same weights (greedy decoding and the seeded
+    sampling give the same completions), its report naming this model and which it reused."""
+    import shutil
+
+    shutil.copytree(src, out, dirs_exist_ok=True)
+    report = json.loads((out / "report.json").read_text())
+    report.update(model=str(model), same_weights_as=same)
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
 @task(name="evaluate")
 def evaluate(cfg: Config, parent_id: str, models: dict[str, str], run_dir: Path) -> dict:
     """Every model on the same held-out problems; paired differences against the reference."""
@@ -328,16 +345,26 @@ def evaluate(cfg: Config, parent_id: str, models: dict[str, str], run_dir: Path)
     with stage_run(cfg, parent_id, "evaluate") as run_id:
         c = tracking.client(cfg)
         reports, samples = {}, {}
-        for label, path in models.items():
-            out = run_dir / "eval" / label
-            # sampled pass@k for the two models compared (k samples cost k greedy evaluations):
-            # not for the reference (the selection split's is measured before training), the
-            # last steps or the champion
-            main = label in ("grpo", "sft_continued")
-            reports[label] = evaluate_model(
-                cfg, path, cfg.eval.sets, str(out), samples=cfg.eval.samples,
-                limit=cfg.eval.limit, progress=False, pass_k=None if main else 0,
-            )  # fmt: skip
+        evaluated: dict[str, str] = {}  # model digest -> the label whose evaluation it got
+        # the two compared models first: a reference or last step with the same weights as one
+        # of them then reuses its evaluation, sampled pass@k included
+        for label in sorted(models, key=lambda m: m not in PASS_K_MODELS):
+            path, out = models[label], run_dir / "eval" / label
+            digest = model_digest(path)
+            same = evaluated.get(digest)
+            if same is not None and (same in PASS_K_MODELS or label not in PASS_K_MODELS):
+                reports[label] = _reuse_evaluation(run_dir / "eval" / same, out, path, same)
+                print(f"{label}: the same weights as {same}, its evaluation reused")
+            else:
+                # sampled pass@k for the two models compared (k samples cost k greedy
+                # evaluations): not for the reference (the selection split's is measured before
+                # training), the last steps or the champion
+                reports[label] = evaluate_model(
+                    cfg, path, cfg.eval.sets, str(out), samples=cfg.eval.samples,
+                    limit=cfg.eval.limit, progress=False,
+                    pass_k=None if label in PASS_K_MODELS else 0,
+                )  # fmt: skip
+                evaluated.setdefault(digest, label)
             samples[label] = tracking.read_jsonl(out / "samples.jsonl")
             tracking.log_evaluation(cfg, run_id, reports[label], out, prefix=f"{label}/",
                                     metrics=False)  # fmt: skip

@@ -92,3 +92,18 @@ def new_experiment(client, uri: str, name: str) -> str:  # noqa: ANN001
     from tasks.tracking import artifact_location
 
     return client.create_experiment(name, artifact_location=artifact_location(uri))
+
+
+def perturbed_model(model: Path, out: Path) -> Path:
+    """The model with its weights moved: another model, with other greedy completions (an
+    untrained tiny model of another seed repeats the same token as this one)."""
+    import torch
+
+    from grpo.models.loading import load_model, load_tokenizer, save_model_dir
+
+    m = load_model(model, trainable=False)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.5)
+    return save_model_dir(m, load_tokenizer(model), out)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -95,6 +96,25 @@ def file_digest(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+# what loading a model reads (weights, configs, tokenizer): two directories equal in these
+# generate the same completions, whatever else (manifests, summaries) sits beside them
+_MODEL_FILE = re.compile(
+    r"(.*\.safetensors|.*\.bin|(generation_|adapter_)?config\.json|tokenizer.*|"
+    r"special_tokens_map\.json|vocab.*|merges\.txt|chat_template.*|added_tokens\.json)"
+)
+
+
+def model_digest(model_dir: str | Path) -> str:
+    """sha256 over the files a model is loaded from (names and contents), for spotting two
+    directories that hold the same model."""
+    d = Path(model_dir)
+    files = sorted(p for p in d.iterdir() if p.is_file() and _MODEL_FILE.fullmatch(p.name))
+    if not files:
+        raise FileNotFoundError(f"{d}: no model files (weights, config.json, tokenizer)")
+    listing = "".join(f"{p.name}:{file_digest(p)}\n" for p in files)
+    return hashlib.sha256(listing.encode()).hexdigest()
 
 
 def write_config(cfg: Config, path: Path) -> Path:

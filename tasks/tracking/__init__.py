@@ -22,6 +22,7 @@ from tasks.tracking.metrics import (
     log_metrics,
     log_step_metrics,
     mirror_to_parent,
+    peak_rss_mb,
     read_jsonl,
     system_monitor,
 )
@@ -73,6 +74,7 @@ __all__ = [
     "log_step_metrics",
     "MIRRORED",
     "mirror_to_parent",
+    "peak_rss_mb",
     "log_metrics",
     "read_jsonl",
     "system_monitor",

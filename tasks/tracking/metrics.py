@@ -48,6 +48,16 @@ def mirror_to_parent(c: Any, parent_id: str, rows: list[dict[str, Any]], seconds
     return n
 
 
+def peak_rss_mb() -> float:
+    """The peak resident memory, in MB, of the largest of this process and every descendant
+    that has ended (ranks, the control, evaluation): getrusage's maxima, in KB on Linux."""
+    import resource
+
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return max(own, children) / 1024
+
+
 def log_metrics(c: Any, run_id: str, metrics: dict[str, float]) -> None:
     """Named values at step 0, in batches (one request per 1000, not one each: a served store
     checks credentials on every request)."""

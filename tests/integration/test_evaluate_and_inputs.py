@@ -3,7 +3,6 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -12,7 +11,7 @@ from grpo.data.sets import eval_set
 from grpo.eval.metrics import summarize
 from grpo.eval.run import evaluate_model
 from grpo.launch.paths import base_model_dir
-from tests.helpers import ROOT, small_config
+from tests.helpers import ROOT, perturbed_model, small_config
 
 pytestmark = pytest.mark.slow
 
@@ -113,28 +112,13 @@ def test_model_directory_without_tokenizer_is_refused(tmp_path):
         load_tokenizer(tmp_path / "m")
 
 
-def _another_model(model: Path, out: Path) -> Path:
-    """The model with its weights moved: another model, with other greedy completions (an
-    untrained tiny model of another seed repeats the same token as this one)."""
-    import torch
-
-    from grpo.models.loading import load_model, load_tokenizer, save_model_dir
-
-    m = load_model(model, trainable=False)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.5)
-    return save_model_dir(m, load_tokenizer(model), out)
-
-
 def test_cli_evaluate_on_gsm8k(tmp_path):
     import json
 
     # GSM8K in characters: up to 848 tokens, which a context of 1024 holds
     cfg = small_config(tmp_path, "model.tiny.max_position_embeddings=1024")
     model = base_model_dir(cfg)
-    other = _another_model(model, tmp_path / "other")
+    other = perturbed_model(model, tmp_path / "other")
     out = subprocess.run(
         [sys.executable, "-m", "cli.main", "evaluate", "--model", str(model), "--sets", "gsm8k",
          "--limit", "50", "--out", str(tmp_path / "e"), "--baseline", str(other)],
@@ -153,6 +137,16 @@ def test_cli_evaluate_on_gsm8k(tmp_path):
     # the paired line: neither untrained model solves a GSM8K problem, so 0 with no spread
     diff = sum(a["correct"] for a in mine) - sum(b["correct"] for b in theirs)
     assert diff == 0 and "gsm8k            +0.000 [+0.000, +0.000]" in out.stdout
+    # both models' own tables are printed, and the report holds the baseline's numbers beside
+    # the model's and the paired difference
+    assert out.stdout.count("| gsm8k | 50 |") == 2 and f"Model: `{other}`" in out.stdout
+    assert out.stdout.index(f"Model: `{other}`") < out.stdout.index("paired 95% CI")
+    report = json.loads((tmp_path / "e" / "report.json").read_text())
+    assert report["model"] == str(model) and report["baseline"]["model"] == str(other)
+    base = report["baseline"]["sets"]["gsm8k"]
+    assert base["num_problems"] == 50
+    assert base["accuracy"] == sum(b["correct"] for b in theirs) / 50
+    assert report["paired_vs_baseline"]["gsm8k"]["strict"]["n"] == 50
 
 
 def test_prompts_longer_than_evaluation_holds_are_left_out_and_reported(tmp_path):

@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import SMALL, by_stage, new_experiment, tracking_uri
+from tests.helpers import (
+    SMALL,
+    by_stage,
+    new_experiment,
+    perturbed_model,
+    small_config,
+    tracking_uri,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -568,6 +575,127 @@ def test_a_second_pipeline_meets_the_first_ones_champion(store):
     assert second["registered"]["champion"] == promoted
     aliases = {k: str(v) for k, v in c.get_registered_model(name).aliases.items()}
     assert aliases == {"champion": v2 if promoted else v1, "challenger": v2}
+    _compare_the_two_nights(c, tmp, name, first, second)
+
+
+def _compare_the_two_nights(c, tmp: Path, name: str, first: dict, second: dict) -> None:  # noqa: ANN001
+    """`grpo compare` on the two pipelines above, from the store alone: what differs, their
+    numbers side by side, a paired difference checked by hand from the runs' own files."""
+    import contextlib
+    import io
+    import signal
+
+    from cli.main import main as cli_main
+    from tasks.compare import compare_runs, to_markdown
+
+    def main(argv: list[str]) -> None:
+        # the CLI takes SIGINT and SIGTERM for its run; the test process keeps its own
+        saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            cli_main(argv)
+        finally:
+            for s, h in saved.items():
+                signal.signal(s, h)
+
+    a_id, b_id = first["parent_run_id"], second["parent_run_id"]
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        main(["compare", a_id, b_id, "--format", "json"])
+    got = json.loads(buf.getvalue())
+    assert (got["A"]["run_id"], got["B"]["run_id"]) == (a_id, b_id)
+    params = {r["key"]: (r["A"], r["B"]) for r in got["params"]}
+    assert params["grpo.steps"] == ("1", "2") and params["tracking.promotion"][0] == "approve"
+    assert params["sft.control_steps"][1] == "3" and "grpo.lr" not in params
+    # each run's logged accuracy, side by side
+    rows = {(r["model"], r["set"], r["metric"]): r for r in got["metrics"]}
+    pa, pb = c.get_run(a_id).data.metrics, c.get_run(b_id).data.metrics
+    acc = rows[("grpo", "synthetic", "accuracy")]
+    assert (acc["A"], acc["B"]) == (pa["grpo/eval/synthetic/accuracy"],
+                                    pb["grpo/eval/synthetic/accuracy"])  # fmt: skip
+    assert rows[("champion", "synthetic", "accuracy")]["A"] is None  # the first night had none
+
+    # the paired difference by hand, from the run directories' per-problem records
+    def first_samples(pid: str) -> dict:  # noqa: ANN202
+        path = tmp / "runs" / "tiny" / pid / "eval" / "grpo" / "samples.jsonl"
+        recs = [json.loads(x) for x in path.open()]
+        return {r["id"]: r["correct"] for r in recs if r["set"] == "synthetic" and not r["sample"]}
+
+    ca, cb = first_samples(a_id), first_samples(b_id)
+    assert set(ca) == set(cb) and len(ca) > 10
+    by_hand = sum(cb[i] - ca[i] for i in ca) / len(ca)
+    paired = {(r["model"], r["set"]): r for r in got["paired"]}
+    assert paired[("grpo", "synthetic")]["diff"] == pytest.approx(by_hand)
+    assert paired[("grpo", "synthetic")]["n"] == len(ca)
+    assert paired[("grpo", "synthetic")]["ci_low"] <= by_hand <= paired[("grpo", "synthetic")][
+        "ci_high"]  # fmt: skip
+    assert {"model": "champion", "set": "*", "why": "not evaluated in A"} in got["unpaired"]
+    costs = {r["what"]: r for r in got["costs"]}
+    assert (costs["GRPO steps"]["A"], costs["GRPO steps"]["B"]) == (1.0, 2.0)
+    assert costs["control steps"]["A"] is None and costs["control steps"]["B"] == 3.0
+    assert 0 < costs["peak RSS of its largest process (GB)"]["B"] < 64
+    # registered versions name their pipelines; markdown parses as tables
+    again = compare_runs(c, f"models:/{name}/{first['registered']['version']}",
+                         f"models:/{name}@challenger")  # fmt: skip
+    assert (again["A"]["run_id"], again["B"]["run_id"]) == (a_id, b_id)
+    md = to_markdown(again)
+    table = [ln for ln in md.splitlines() if ln.startswith("| grpo | synthetic | accuracy |")]
+    assert len(table) == 1 and len(table[0].strip("|").split(" | ")) == 6
+    # a run that is not there, or not a pipeline's, is refused in one line (exit 2)
+    grpo_stage = by_stage(c.search_runs([c.get_run(b_id).info.experiment_id],
+                                        f"tags.mlflow.parentRunId = '{b_id}'"))["grpo"]  # fmt: skip
+    refused = {
+        "0" * 32: "no such run",
+        grpo_stage.info.run_id: f"not a pipeline run; its pipeline run is {b_id}",
+        "no-such-name": "no pipeline run with this id or name",
+    }
+    for ref, says in refused.items():
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exit_:
+            main(["compare", a_id, ref])
+        assert exit_.value.code == 2 and says in err.getvalue()
+        assert err.getvalue().count("\n") == 1
+
+
+def test_the_evaluate_stage_evaluates_the_same_weights_once(store, tmp_path):
+    """A checkpoint selection often picks the reference (step 0) or the last step: the stage
+    evaluates those weights once and reuses the evaluation, which is what evaluating again
+    gives (greedy and seeded sampling on the same weights)."""
+    import shutil
+
+    from prefect import flow
+
+    from grpo.eval.run import evaluate_model
+    from grpo.launch.paths import base_model_dir, model_digest
+    from tasks import stages, tracking
+
+    cfg = small_config(tmp_path, "eval.limit=12", "eval.pass_k=2")
+    model = base_model_dir(cfg)
+    same = shutil.copytree(model, tmp_path / "selected")
+    (same / "selection_summary.json").write_text("{}")  # beside the weights, not a model file
+    other = perturbed_model(model, tmp_path / "other")
+    assert model_digest(same) == model_digest(model) != model_digest(other)
+    models = {"reference": str(model), "grpo": str(same), "sft_continued": str(other),
+              "sft_continued_last": str(other)}  # fmt: skip
+    c = tracking.client(cfg)
+    exp, _ = tracking.experiment(c, "reuse", tracking.tracking_uri(cfg))
+    pid = tracking.start_pipeline_run(c, exp, cfg, "test")
+    ev = flow(lambda: stages.evaluate(cfg, pid, models, tmp_path / "run"), name="reuse")()
+    reports = ev["reports"]
+    # the compared models are evaluated first; the reference reuses GRPO's (pass@k included),
+    # the control's last step the control's
+    assert reports["reference"]["same_weights_as"] == "grpo"
+    assert reports["sft_continued_last"]["same_weights_as"] == "sft_continued"
+    assert "same_weights_as" not in reports["grpo"] | reports["sft_continued"]
+    assert reports["reference"]["model"] == str(model)
+    assert "sampled_pass@2" in reports["reference"]["sets"]["synthetic"]
+    assert ev["paired"]["grpo"]["synthetic"]["diff"] == 0.0
+    # what evaluating the reference again gives: the same completions, the same numbers
+    fresh = evaluate_model(cfg, str(model), cfg.eval.sets, str(tmp_path / "fresh"), limit=12,
+                           progress=False, pass_k=2)  # fmt: skip
+    assert fresh["sets"] == reports["reference"]["sets"]
+    for name in ("samples.jsonl", "samples_sampled.jsonl"):
+        assert (tmp_path / "fresh" / name).read_text() == (
+            tmp_path / "run" / "eval" / "reference" / name).read_text()  # fmt: skip
 
 
 def test_failing_validation_stops_before_training(store, tmp_path):

@@ -291,6 +291,22 @@ def test_a_triggered_deployment_runs_on_the_worker_and_lands_in_the_mlflow_serve
         # an artifact's bytes come back over HTTP through the server's proxy
         local = c.download_artifacts(grpo_run, "completions.json", str(tmp_path / "dl"))
         assert json.loads(Path(local).read_text())
+        # `grpo compare` against the authenticated server, its credentials from the
+        # environment: the first pipeline (with its control) against another (without)
+        other = next(p for p in finished if p.info.run_id != parent.info.run_id)
+        cmp = subprocess.run(
+            [str(Path(sys.executable).with_name("grpo")), "compare", parent.info.run_id,
+             other.info.run_id, "--format", "json"],
+            capture_output=True, text=True, timeout=180, cwd=tmp_path,
+        )  # fmt: skip
+        assert cmp.returncode == 0, cmp.stderr[-2000:]
+        got = json.loads(cmp.stdout)
+        paired = {(r["model"], r["set"]): r for r in got["paired"]}
+        acc = "grpo/eval/synthetic/accuracy"
+        assert paired[("grpo", "synthetic")]["diff"] == pytest.approx(
+            other.data.metrics[acc] - parent.data.metrics[acc])  # fmt: skip
+        assert {"model": "sft_continued", "set": "*", "why": "not evaluated in B"} in (
+            got["unpaired"])  # fmt: skip
         # the registry: one version per pipeline, unique numbers, each decision recorded
         # against the champion it was measured with; never two champions
         versions = c.search_model_versions("name = 'serve-e2e'")

@@ -103,6 +103,16 @@ def test_two_grpo_steps_and_an_evaluation_on_the_real_model(smollm2, tmp_path):
     assert sel["selected_step"] == min(s for s, a in curve if a == best)
     for name in ("policy", "policy_last"):
         assert (tmp_path / "grpo" / name / "model.safetensors").is_file()
+    # the evaluate stage evaluates policy_last again only when it holds other weights (two
+    # steps whose groups all scored alike leave them unchanged)
+    from safetensors.torch import load_file
+
+    from grpo.launch.paths import model_digest
+
+    dirs = [tmp_path / "grpo" / name for name in ("policy", "policy_last")]
+    a, b = (load_file(d / "model.safetensors") for d in dirs)
+    same = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (model_digest(dirs[0]) == model_digest(dirs[1])) == same
     rep = evaluate_model(cfg, str(tmp_path / "grpo" / "policy"), ["synthetic"],
                          str(tmp_path / "ev"), limit=20, progress=False)  # fmt: skip
     m = rep["sets"]["synthetic"]
