@@ -209,6 +209,7 @@ def policy_loss(
     importance_level: str = "token",
     max_completion_length: int | None = None,
     num_items: float | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The policy loss (to minimise) and its metrics.
 
@@ -220,6 +221,10 @@ def policy_loss(
     gradient is the policy gradient, and the value is minus the aggregated advantage (plus the
     extra terms), which is 0 only when advantages and lengths are uncorrelated.
     Defaults are the config's (GRPOConfig): clip-higher 0.2 / 0.28, dapo, no KL, no bonus.
+    is_weights [N, T]: the rollout correction's importance weights pi_old / mu
+    (grpo.algo.rollout_correction), on the policy term only, as TRL and verl apply them: the
+    KL term and the entropy bonus are about pi_theta itself, not about how the tokens were
+    drawn.
     """
     _check_name("loss_type", loss_type, LOSS_AGGREGATIONS)
     _check_name("policy_objective", objective, POLICY_OBJECTIVES)
@@ -228,7 +233,7 @@ def policy_loss(
         raise ValueError("ref_logps: required when beta != 0")
     _check_shapes(
         logps=logps, old_logps=old_logps, advantages=advantages, mask=mask, ref_logps=ref_logps,
-        entropy=entropy,
+        entropy=entropy, is_weights=is_weights,
     )  # fmt: skip
     m = mask.to(logps.dtype)  # [N, T]
     adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # [N, 1] or [N, T]
@@ -243,6 +248,8 @@ def policy_loss(
     clamped_lr = (log_ratio.detach().abs() > LOG_RATIO_CLAMP).to(m.dtype)
     ratio = torch.exp(torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     per_token = POLICY_OBJECTIVES[objective](ratio, logps, adv, params)  # [N, T]
+    if is_weights is not None:
+        per_token = per_token * is_weights.detach()
 
     metrics: dict[str, float] = {}
     if ref_logps is not None:

@@ -84,6 +84,9 @@ def switched_off_error(cfg: Config) -> str | None:
          "grpo.eval_every > 0 (the selection's cadence)"),
         ("soft_overlong" not in g.reward_funcs, _changed(g, {"overlong_cache"}), "grpo",
          "soft_overlong in grpo.reward_funcs"),
+        (not g.rollout_correction, _changed(g, {"rollout_correction_level",
+         "rollout_correction_mode", "rollout_correction_threshold"}), "grpo",
+         "grpo.rollout_correction=true"),
     ]  # fmt: skip
     for off, given, section, switch in rules:
         if off and given:

@@ -83,6 +83,25 @@ class GRPOConfig(Strict):
         description="pi_old for mu > 1: the training forward of the first pass (recompute, "
         "free: it runs anyway) or the sampler's log-probs (sampler)",
     )
+    rollout_correction: bool = Field(
+        False,
+        description="weight each token's loss by pi_old / mu, the trainer's probability of the "
+        "sampled token over the sampler's (importance sampling: TRL "
+        "vllm_importance_sampling_correction, verl rollout_is); the mismatch is logged "
+        "either way (mismatch/*)",
+    )
+    rollout_correction_level: Literal["token", "sequence"] = Field(
+        "token", description="a weight per token, or each sequence's geometric-mean weight"
+    )
+    rollout_correction_mode: Literal["truncate", "mask"] = Field(
+        "truncate",
+        description="a weight above the threshold is cut to it (TIS) or its token or sequence "
+        "is masked out (MIS, IcePop)",
+    )
+    rollout_correction_threshold: float = Field(
+        2.0, gt=1, description="C: the largest importance weight kept (TRL's cap, verl's "
+        "rollout_is_threshold)",
+    )  # fmt: skip
     micro_batch_size: int = Field(
         256, gt=0, description="completions per forward/backward (256: one per step on CPU)"
     )
@@ -197,6 +216,17 @@ class GRPOConfig(Strict):
                 f"prompts_per_step x num_generations = "
                 f"{self.prompts_per_step * self.num_generations:,} completions a step, more "
                 f"than {MAX_BATCH:,}"
+            )
+        if self.rollout_correction and (self.top_p < 1.0 or self.top_k > 0):
+            raise ValueError(
+                "rollout_correction with top_p < 1 or top_k > 0: the sampler's log-probs are "
+                "over the whole vocabulary, not the truncated distribution it drew from, so "
+                "the weight would be biased; sample with top_p 1 and top_k 0"
+            )
+        if self.rollout_correction and self.mu > 1 and self.old_logprobs == "sampler":
+            raise ValueError(
+                "rollout_correction with old_logprobs sampler: pi_old is then the sampler's "
+                "log-probs and every weight is 1; use old_logprobs recompute"
             )
         if "soft_overlong" in self.reward_funcs and not (
             0 < self.overlong_cache <= self.max_completion_length

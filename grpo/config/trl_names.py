@@ -27,7 +27,12 @@ TRL_ALIASES: dict[str, str] = {
     "soft_punish_cache": "overlong_cache",
     "sapo_temperature_pos": "sapo_tau_pos",
     "sapo_temperature_neg": "sapo_tau_neg",
+    "vllm_importance_sampling_correction": "rollout_correction",
+    "vllm_importance_sampling_cap": "rollout_correction_threshold",
 }
+
+# TRL's vllm_importance_sampling_mode names a level and a mode in one value
+TRL_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 # TRL's loss_type values that are objectives here: loss_type -> (policy_objective, loss_type).
 # TRL aggregates cispo over the global batch's tokens (our dapo) and sapo per sequence (grpo).
@@ -96,6 +101,16 @@ def rename_trl_keys(data: dict[str, Any]) -> dict[str, Any]:
             if ours in out:
                 raise TRLNameError(f"{trl!r} and {ours!r} are the same setting; give one")
             out[ours] = out.pop(trl)
+    if "vllm_importance_sampling_mode" in out:
+        value = out.pop("vllm_importance_sampling_mode")
+        if value not in TRL_IS_MODES:
+            raise TRLNameError(f"vllm_importance_sampling_mode: {value!r}; expected one of "
+                               f"{', '.join(TRL_IS_MODES)}")  # fmt: skip
+        for ours in ("rollout_correction_level", "rollout_correction_mode"):
+            if ours in out:
+                raise TRLNameError(f"vllm_importance_sampling_mode and {ours} are the same "
+                                   "setting; give one")  # fmt: skip
+        out["rollout_correction_level"], _, out["rollout_correction_mode"] = value.partition("_")
     if "scale_rewards" in out:
         value = out.pop("scale_rewards")
         if value not in SCALE_REWARDS:
@@ -117,7 +132,8 @@ def hoist_flat_trl_keys(data: dict[str, Any], grpo_fields: set[str]) -> dict[str
     bf16: true is model.dtype bfloat16); fp16: true is refused."""
     out = dict(data)
     section = dict(out.get("grpo") or {})
-    movable = (grpo_fields | set(TRL_ALIASES) | set(UNSUPPORTED) | {"scale_rewards"}) - {
+    trl_only = {"scale_rewards", "vllm_importance_sampling_mode"}
+    movable = (grpo_fields | set(TRL_ALIASES) | set(UNSUPPORTED) | trl_only) - {
         "seed",
         "output_dir",
     }

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from grpo.algo.loss import LOSS_AGGREGATIONS, policy_loss
+from grpo.algo.rollout_correction import correction_weights, mismatch_metrics
 from grpo.config import GRPOConfig
 from grpo.engine.distributed import all_reduce_dict
 from grpo.models.forward import completion_logprobs
@@ -31,6 +32,8 @@ POLICY_METRICS = (
     "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "ratio_mean",
     "entropy", "clamp/log_ratio_frac",
 )  # fmt: skip
+# with grpo.rollout_correction: the mean weight and the share of tokens over the threshold
+CORRECTION_METRICS = ("rollout_correction/weight_mean", "rollout_correction/over_threshold_frac")
 
 
 @dataclass(frozen=True)
@@ -51,11 +54,14 @@ class UpdatePlan:
 
 @dataclass
 class _Gap:
-    """|trainer - sampler| log-prob over the first pass: sum, tokens, max."""
+    """|trainer - sampler| log-prob over the first pass: sum, tokens, max; and the sums of
+    KL(mu || pi) estimates on the sampled tokens (grpo.algo.rollout_correction)."""
 
     total: float = 0.0
     tokens: float = 0.0
     largest: float = 0.0
+    kl_k1: float = 0.0
+    kl_k3: float = 0.0
 
     def add(self, trainer: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor) -> None:
         """Sampler vs training-forward log-probs of the same tokens under the same weights: the
@@ -64,6 +70,9 @@ class _Gap:
         self.total += float(d.sum())
         self.tokens += float(mask.sum())
         self.largest = max(self.largest, float(d.max()) if d.numel() else 0.0)
+        kl = mismatch_metrics(trainer, sampler, mask)
+        self.kl_k1 += kl["kl_k1"]
+        self.kl_k3 += kl["kl_k3"]
 
 
 @dataclass
@@ -75,7 +84,8 @@ class _PassState:
 
 
 def metric_keys(g: GRPOConfig) -> tuple[str, ...]:
-    return POLICY_METRICS + (("kl", "clamp/k3_frac") if g.uses_reference else ())
+    return (POLICY_METRICS + (("kl", "clamp/k3_frac") if g.uses_reference else ())
+            + (CORRECTION_METRICS if g.rollout_correction else ()))  # fmt: skip
 
 
 def loss_mask(ro: Rollout, mask_truncated: bool) -> torch.Tensor:
@@ -170,7 +180,7 @@ def update_policy(
     tot = all_reduce_dict(
         {**{k: sums.get(k, 0.0) for k in keys}, "_w": sums["_w"], "loss": sums["loss"],
          "nonfinite_losses": sums["nonfinite_losses"], "_gap": gap.total,
-         "_gap_tokens": gap.tokens},
+         "_gap_tokens": gap.tokens, "_kl_k1": gap.kl_k1, "_kl_k3": gap.kl_k3},
         plan.device,
     )  # fmt: skip
     out = {k: tot[k] / max(tot["_w"], 1.0) for k in keys}
@@ -185,6 +195,8 @@ def update_policy(
     gn = engine.get_global_grad_norm()
     out["grad_norm"] = float(gn) if gn is not None else float(grad_norms[-1])
     out["logprob_gap/mean"] = tot["_gap"] / max(tot["_gap_tokens"], 1.0)
+    out["mismatch/kl_k1"] = tot["_kl_k1"] / max(tot["_gap_tokens"], 1.0)
+    out["mismatch/kl_k3"] = tot["_kl_k3"] / max(tot["_gap_tokens"], 1.0)
     out["logprob_gap/max"] = all_reduce_dict({"max": gap.largest}, plan.device, "max")["max"]
     out["learning_rate"] = float(engine.get_lr()[0])
     return out
@@ -232,6 +244,13 @@ def _micro_loss(
     old = state.old[idx, :c] if g.mu > 1 and state is not None else logps.detach()
     # the entropy bonus needs the entropy's gradient; otherwise it is a metric only
     bonus = entropy if g.uses_entropy_bonus else None
+    sampler = ro.sampling_logps[idx, :c]
+    is_w = over = None
+    if g.rollout_correction and state is not None:
+        is_w, over = correction_weights(
+            old, sampler, mask, level=g.rollout_correction_level,
+            mode=g.rollout_correction_mode, threshold=g.rollout_correction_threshold,
+        )  # fmt: skip
     loss, m = policy_loss(
         logps, old, adv[idx, :c], mask,
         ref_logps=None if ref_logps is None else ref_logps[idx, :c], beta=g.beta,
@@ -239,10 +258,15 @@ def _micro_loss(
         loss_type=g.loss_type, objective=g.policy_objective, params=g.objective_params(),
         importance_level=g.importance_level, max_completion_length=g.max_completion_length,
         num_items=num_items if LOSS_AGGREGATIONS[g.loss_type].global_normaliser else None,
+        is_weights=is_w,
     )  # fmt: skip
     with torch.no_grad():
         m["_w"] = float(mask.sum())
-        m["entropy"] = float((entropy.detach() * mask).sum()) / max(m["_w"], 1.0)
+        n_tok = max(m["_w"], 1.0)
+        m["entropy"] = float((entropy.detach() * mask).sum()) / n_tok
+        if is_w is not None and over is not None:
+            m["rollout_correction/weight_mean"] = float(is_w.sum()) / n_tok
+            m["rollout_correction/over_threshold_frac"] = float(over.sum()) / n_tok
     return loss, m
 
 

@@ -103,7 +103,8 @@ def test_a_trl_named_config_trains(tmp_path):
         "max_steps: 2\nlearning_rate: 1.0e-3\nlr_scheduler_type: constant\nnum_iterations: 2\n"
         "importance_sampling_level: sequence\nscale_rewards: batch\nepsilon: 0.2\n"
         "epsilon_high: 0.28\nnum_generations: 4\nsave_steps: 1\nsave_total_limit: 1\n"
-        "eval_steps: 0\nbeta: 0.04\nwarmup_steps: 0\n"
+        "eval_steps: 0\nbeta: 0.04\nwarmup_steps: 0\nvllm_importance_sampling_correction: true\n"
+        "vllm_importance_sampling_mode: token_truncate\nvllm_importance_sampling_cap: 2.0\n"
     )
     given = ("grpo.steps", "grpo.num_generations", "grpo.eval_every", "grpo.checkpoint")
     small = [s for s in SMALL if not s.startswith(given)]
@@ -119,6 +120,14 @@ def test_a_trl_named_config_trains(tmp_path):
     _, metrics = _train(cfg, base_model_dir(cfg), tmp_path / "grpo")
     assert [m["step"] for m in metrics] == [1, 2]
     assert "kl" in metrics[-1] and "clamp/k3_frac" in metrics[-1]
+    # the rollout correction on: the sampler and the trainer are the same weights here, so the
+    # weights sit at 1 within the kernels' numerics, none reaches the cap, and the mismatch's
+    # KL is tiny and (k3) never negative
+    assert g.rollout_correction and g.rollout_correction_mode == "truncate"
+    for m in metrics:
+        assert m["rollout_correction/weight_mean"] == pytest.approx(1.0, abs=1e-2)
+        assert m["rollout_correction/over_threshold_frac"] == 0.0
+        assert 0.0 <= m["mismatch/kl_k3"] < 1e-3 and abs(m["mismatch/kl_k1"]) < 1e-2
     # learning_rate, lr_scheduler_type and warmup_steps reached the optimizer: 1e-3 throughout
     assert [m["learning_rate"] for m in metrics] == pytest.approx([1e-3, 1e-3])
 

@@ -1,0 +1,113 @@
+"""The rollout correction by hand: importance weights pi_old / mu at token and sequence level,
+truncated or masked, the mismatch's KL estimates, and the weights inside the policy loss."""
+
+import math
+
+import pytest
+import torch
+
+from grpo.algo import policy_loss
+from grpo.algo.rollout_correction import correction_weights, mismatch_metrics
+from grpo.config import ConfigError, load_config
+
+LN = math.log
+
+
+def _weights(old, sampler, mask, **kw):
+    return correction_weights(torch.tensor(old), torch.tensor(sampler), torch.tensor(mask), **kw)
+
+
+def test_token_weights_are_truncated_or_masked_above_the_threshold():
+    # pi_old / mu = 1, 3, 0.5 and a padding token whose log-probs are garbage
+    old, sampler, mask = [[0.0, LN(3.0), LN(0.5), 7.0]], [[0.0, 0.0, 0.0, 0.0]], [[1, 1, 1, 0]]
+    w, over = _weights(old, sampler, mask, threshold=2.0)
+    assert w[0].tolist() == pytest.approx([1.0, 2.0, 0.5, 0.0])
+    assert over.tolist() == [[False, True, False, False]]
+    w, over = _weights(old, sampler, mask, mode="mask", threshold=2.0)
+    assert w[0].tolist() == pytest.approx([1.0, 0.0, 0.5, 0.0])
+    # a weight exactly at the threshold is kept whole
+    w, over = _weights([[LN(2.0)]], [[0.0]], [[1]], mode="mask", threshold=2.0)
+    assert w.item() == pytest.approx(2.0) and not over.item()
+    # an enormous ratio is masked to exactly 0, never inf * 0 = nan
+    w, _ = _weights([[0.0]], [[-1000.0]], [[1]], mode="mask")
+    assert w.item() == 0.0
+
+
+def test_sequence_weights_are_the_geometric_mean_of_the_tokens_weights():
+    # sequence 0: token ratios 4 and 1 (and a padding token): geometric mean 2, at the cap;
+    # sequence 1: ratios 9 and 1: mean 3, over a cap of 2.5
+    old = [[LN(4.0), 0.0, 5.0], [LN(9.0), 0.0, 0.0]]
+    sampler, mask = [[0.0] * 3] * 2, [[1, 1, 0], [1, 1, 1]]
+    mask[1][2] = 0
+    w, over = _weights(old, sampler, mask, level="sequence", threshold=2.5)
+    assert w.flatten().tolist() == pytest.approx([2.0, 2.0, 0.0, 2.5, 2.5, 0.0])
+    assert over.tolist() == [[False, False, False], [True, True, False]]
+    w, _ = _weights(old, sampler, mask, level="sequence", mode="mask", threshold=2.5)
+    assert w.flatten().tolist() == pytest.approx([2.0, 2.0, 0.0, 0.0, 0.0, 0.0])
+
+
+def test_the_sequence_weight_does_not_grow_or_shrink_with_length():
+    # the same small per-token mismatch on a short and a long sequence: the mean log-ratio gives
+    # both exp(delta); the summed log-ratio would give exp(10 delta) and exp(500 delta) = e^5
+    delta = 0.01
+    for length in (10, 500):
+        w, over = _weights([[delta] * length], [[0.0] * length], [[1] * length],
+                           level="sequence", threshold=2.0)  # fmt: skip
+        assert w[0, 0].item() == pytest.approx(math.exp(delta)) and not over.any()
+    assert math.exp(500 * delta) > 2.0  # the product would have been cut at the cap
+
+
+def test_the_mismatch_kl_estimates_by_hand():
+    # pi = 0.5 where mu = 1: k1 = log mu - log pi = ln 2; k3 = (r - 1) - ln r = -0.5 + ln 2
+    m = mismatch_metrics(torch.tensor([[LN(0.5), 0.0]]), torch.tensor([[0.0, 0.0]]),
+                         torch.tensor([[1, 1]]))  # fmt: skip
+    assert m["kl_k1"] == pytest.approx(LN(2.0)) and m["tokens"] == 2.0
+    assert m["kl_k3"] == pytest.approx(-0.5 + LN(2.0))
+    # the same policies: both 0
+    same = mismatch_metrics(torch.zeros(1, 3), torch.zeros(1, 3), torch.ones(1, 3))
+    assert same["kl_k1"] == 0.0 and same["kl_k3"] == 0.0
+
+
+def test_the_weights_scale_the_policy_term_and_its_gradient():
+    # mu = 1 (old = logps): per-token loss -A w, gradient d/dlogp = -A w / tokens (dapo)
+    logps = torch.zeros(1, 3, requires_grad=True)
+    w = torch.tensor([[1.0, 2.0, 0.5]])
+    loss, _ = policy_loss(logps, logps.detach(), torch.tensor([2.0]), torch.ones(1, 3),
+                          is_weights=w)  # fmt: skip
+    assert loss.item() == pytest.approx(-2.0 * (1.0 + 2.0 + 0.5) / 3)
+    loss.backward()
+    assert logps.grad[0].tolist() == pytest.approx([-2.0 / 3, -4.0 / 3, -1.0 / 3])
+    # weights of 1 change nothing
+    plain = policy_loss(torch.zeros(1, 3), torch.zeros(1, 3), torch.tensor([2.0]),
+                        torch.ones(1, 3))[0]  # fmt: skip
+    ones = policy_loss(torch.zeros(1, 3), torch.zeros(1, 3), torch.tensor([2.0]),
+                       torch.ones(1, 3), is_weights=torch.ones(1, 3))[0]  # fmt: skip
+    assert ones.item() == plain.item()
+    # the KL term is not weighted: with A = 0 the loss is beta * k3 whatever the weights
+    ref = torch.full((1, 3), -0.1)
+    with_w = policy_loss(torch.zeros(1, 3), torch.zeros(1, 3), torch.tensor([0.0]),
+                         torch.ones(1, 3), ref_logps=ref, beta=0.5, is_weights=w)[0]  # fmt: skip
+    without = policy_loss(torch.zeros(1, 3), torch.zeros(1, 3), torch.tensor([0.0]),
+                          torch.ones(1, 3), ref_logps=ref, beta=0.5)[0]  # fmt: skip
+    assert with_w.item() == pytest.approx(without.item()) and without.item() > 0
+
+
+def test_trls_names_load_and_a_biased_combination_is_refused():
+    cfg = load_config(None, ["grpo.vllm_importance_sampling_correction=true",
+                             "grpo.vllm_importance_sampling_mode=sequence_mask",
+                             "grpo.vllm_importance_sampling_cap=3"])  # fmt: skip
+    g = cfg.grpo
+    assert (g.rollout_correction, g.rollout_correction_level, g.rollout_correction_mode,
+            g.rollout_correction_threshold) == (True, "sequence", "mask", 3.0)  # fmt: skip
+    with pytest.raises(ConfigError, match="vllm_importance_sampling_mode: 'token_clip'"):
+        load_config(None, ["grpo.vllm_importance_sampling_mode=token_clip"])
+    # top-p sampling with the whole vocabulary's log-probs: the weight would be biased
+    with pytest.raises(ConfigError, match="rollout_correction with top_p < 1"):
+        load_config(None, ["grpo.rollout_correction=true", "grpo.top_p=0.9"])
+    with pytest.raises(ConfigError, match="old_logprobs sampler"):
+        load_config(None, ["grpo.rollout_correction=true", "grpo.mu=2",
+                           "grpo.old_logprobs=sampler"])  # fmt: skip
+    # a threshold without the correction would be ignored
+    with pytest.raises(ConfigError, match="grpo.rollout_correction_threshold is set but would "
+                       "be ignored: it needs grpo.rollout_correction=true"):  # fmt: skip
+        load_config(None, ["grpo.rollout_correction_threshold=3"])
