@@ -276,8 +276,12 @@ def sections(result: dict[str, Any]) -> list[tuple[str, list[dict[str, str]]]]:
                "lenient": _interval(r["lenient_diff"], r["lenient_ci_low"],
                                     r["lenient_ci_high"])}
               for r in result["paired"]]  # fmt: skip
-    costs = [{"what": r["what"], "A": _num(r["A"], 1), "B": _num(r["B"], 1)}
-             for r in result["costs"]]  # fmt: skip
+
+    def cost(r: dict[str, Any], side: str) -> str:
+        v = r[side]
+        return _num(int(v) if "steps" in r["what"] and v is not None else v, 1)
+
+    costs = [{"what": r["what"], "A": cost(r, "A"), "B": cost(r, "B")} for r in result["costs"]]
     out = [("runs", runs),
            ("params that differ" if params else "params: the same", params),
            ("held-out metrics", metrics),
@@ -309,12 +313,15 @@ def print_tables(result: dict[str, Any]) -> None:
     console = Console()
     for title, rows in sections(result):
         if not rows:
-            console.print(f"[bold]{title}[/bold]\n")
+            console.print(f"[bold]{title}[/bold]" + ("" if ":" in title else ": none logged"))
             continue
         t = Table(title=title, title_justify="left", title_style="bold")
         for col in rows[0]:
             numeric = col in ("A", "B", "B - A", "problems") and title != "params that differ"
-            t.add_column(col, justify="right" if numeric else "left", overflow="fold")
+            # ids and names are copied from here: never broken across lines
+            whole = col in ("run_id", "name", "started")
+            t.add_column(col, justify="right" if numeric else "left",
+                         overflow="fold", no_wrap=whole)  # fmt: skip
         for r in rows:
             t.add_row(*r.values())
         console.print(t)
