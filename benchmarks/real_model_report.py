@@ -165,12 +165,17 @@ def main() -> None:
     p.add_argument("--wall", required=True, help="the whole pipeline's wall time, as text")
     p.add_argument("--peak-rss", required=True, help="the largest process's peak RSS, as text")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "REAL_MODEL_RESULT.md"))
+    p.add_argument(
+        "--curves",
+        default="real_model_curves.png",
+        help="the curves' file name, in benchmarks/ (one per seed shown)",
+    )
     a = p.parse_args()
     runs = [Path(r) for r in a.run_dir]
     run_dir = runs[0]
     rows = _jsonl(run_dir / "grpo" / "metrics.jsonl")
     control = _jsonl(run_dir / "sft_continued_metrics.jsonl")
-    _curves(rows, control, ROOT / "benchmarks" / "real_model_curves.png")
+    _curves(rows, control, ROOT / "benchmarks" / a.curves)
     sel_g = json.loads((run_dir / "grpo" / "selection_summary.json").read_text())
     ctl = json.loads((run_dir / "sft_continued" / "control_summary.json").read_text())
     sft = sorted(run_dir.parent.parent.glob("sft/*/sft_summary.json"))
@@ -201,7 +206,7 @@ def main() -> None:
         "",
         "### Curves",
         "",
-        "![curves](real_model_curves.png)",
+        f"![curves]({a.curves})",
         "",
         "### The same problems before and after (disagreements first)",
         "",
