@@ -151,6 +151,8 @@ def cmd_compare(a: argparse.Namespace) -> None:
 
     cfg = _config(a)
     tracking.check_reachable(cfg)
+    # the per-problem files are small: no download bars between the tables
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     result = compare_runs(tracking.client(cfg), a.a, a.b)
     if a.format == "json":
         print(json.dumps(result, indent=1))

@@ -19,7 +19,7 @@ _EVAL_METRIC = re.compile(r"(?P<model>[^/]+)/eval/(?P<set>[^/]+)/(?P<metric>[^/]
 # the per-set numbers compared, in this order (sampled pass@k / maj@k when the run sampled them)
 _SHOWN = ("accuracy", "accuracy_lenient", "sampled_mean_accuracy", "mean_length",
           "truncation_rate")  # fmt: skip
-_SAMPLED = re.compile(r"sampled_(pass|maj)@\d+")
+_SAMPLED = re.compile(r"sampled_(pass|maj)(@|_at_)\d+")  # MLflow keys spell @ as _at_
 # tags that say which code, data and machine produced a run, compared beside the params
 _IDENTITY_TAGS = ("mlflow.source.git.commit", "pipeline_version", "config_digest", "data_hash",
                   "host.cpu", "host.cpu_count")  # fmt: skip
@@ -66,6 +66,8 @@ def resolve_run(c: Any, ref: str) -> Any:
         return _pipeline_run(c, parent, ref)
     if re.fullmatch(r"[0-9a-f]{32}", ref):
         return _pipeline_run(c, ref, ref)
+    if "'" in ref:  # it would end the filter's string early
+        raise CompareError(f"{ref}: a run name here cannot hold a single quote; give its run id")
     exps = [e.experiment_id for e in c.search_experiments()]
     found = c.search_runs(
         exps, f"tags.mlflow.runName = '{ref}' and tags.run_kind = 'pipeline'",
@@ -151,6 +153,7 @@ def _model_order(label: str) -> tuple[int, str]:
 
 
 def _samples(c: Any, evaluate_run: Any, label: str, tmp: Path) -> list[dict[str, Any]] | None:
+    # tmp: a directory of this side's own (a run compared with itself downloads twice)
     """A model's per-problem greedy records from the evaluate stage's artifacts (None when the
     run logged none for it)."""
     from mlflow.exceptions import MlflowException
@@ -160,7 +163,7 @@ def _samples(c: Any, evaluate_run: Any, label: str, tmp: Path) -> list[dict[str,
     if path not in names:
         return None
     try:
-        dst = tmp / evaluate_run.info.run_id / label
+        dst = tmp / label
         dst.mkdir(parents=True)
         local = c.download_artifacts(evaluate_run.info.run_id, path, str(dst))
     except MlflowException as e:
@@ -191,8 +194,8 @@ def paired_rows(c: Any, a: Any, b: Any) -> tuple[list[dict[str, Any]], list[dict
                 side = "A" if label not in labels_a else "B"
                 skipped.append({"model": label, "set": "*", "why": f"not evaluated in {side}"})
                 continue
-            ra = _samples(c, ev_a, label, Path(tmp))
-            rb = _samples(c, ev_b, label, Path(tmp))
+            ra = _samples(c, ev_a, label, Path(tmp) / "A")
+            rb = _samples(c, ev_b, label, Path(tmp) / "B")
             if ra is None or rb is None:
                 skipped.append({"model": label, "set": "*", "why": "no per-problem records"})
                 continue

@@ -637,6 +637,10 @@ def _compare_the_two_nights(c, tmp: Path, name: str, first: dict, second: dict) 
     again = compare_runs(c, f"models:/{name}/{first['registered']['version']}",
                          f"models:/{name}@challenger")  # fmt: skip
     assert (again["A"]["run_id"], again["B"]["run_id"]) == (a_id, b_id)
+    # a run against itself: nothing differs, every paired difference is 0
+    same = compare_runs(c, b_id, b_id)
+    assert same["params"] == [] and len(same["paired"]) >= 4
+    assert all(r["diff"] == 0.0 == r["ci_low"] for r in same["paired"])
     md = to_markdown(again)
     table = [ln for ln in md.splitlines() if ln.startswith("| grpo | synthetic | accuracy |")]
     assert len(table) == 1 and len(table[0].strip("|").split(" | ")) == 6
