@@ -165,6 +165,12 @@ class GRPOConfig(Strict):
         return rename_trl_keys(data) if isinstance(data, dict) else data
 
     @property
+    def truncates(self) -> bool:
+        """Sampling truncates the distribution (top-k or top-p): the sampler's and the
+        trainer's log-probs are then both over what it keeps."""
+        return self.top_k > 0 or self.top_p < 1.0
+
+    @property
     def uses_reference(self) -> bool:
         """The one decision whether a frozen reference model is loaded and the KL term is in
         the loss: only for beta > 0."""
@@ -216,12 +222,6 @@ class GRPOConfig(Strict):
                 f"prompts_per_step x num_generations = "
                 f"{self.prompts_per_step * self.num_generations:,} completions a step, more "
                 f"than {MAX_BATCH:,}"
-            )
-        if self.rollout_correction and (self.top_p < 1.0 or self.top_k > 0):
-            raise ValueError(
-                "rollout_correction with top_p < 1 or top_k > 0: the sampler's log-probs are "
-                "over the whole vocabulary, not the truncated distribution it drew from, so "
-                "the weight would be biased; sample with top_p 1 and top_k 0"
             )
         if self.rollout_correction and self.mu > 1 and self.old_logprobs == "sampler":
             raise ValueError(

@@ -85,7 +85,8 @@ class _PassState:
 
 def metric_keys(g: GRPOConfig) -> tuple[str, ...]:
     return (POLICY_METRICS + (("kl", "clamp/k3_frac") if g.uses_reference else ())
-            + (CORRECTION_METRICS if g.rollout_correction else ()))  # fmt: skip
+            + (CORRECTION_METRICS if g.rollout_correction else ())
+            + (("truncation/outside_frac",) if g.truncates else ()))  # fmt: skip
 
 
 def loss_mask(ro: Rollout, mask_truncated: bool) -> torch.Tensor:
@@ -231,11 +232,22 @@ def _micro_loss(
     # trailing completion padding of all rows is cut; the forward itself reads real tokens only
     c = int(ro.completion_mask[idx].sum(1).max())
     mask = loss_mask[idx, :c]
+    # top-k/top-p sampling: pi over the same truncated distribution the sampler drew from, so
+    # that pi / mu compares like with like; a token outside this forward's own truncation (the
+    # two disagree at the edge) is left out of the loss and counted
+    trunc = (g.top_k, g.top_p) if g.truncates else None
+    outside = torch.zeros(mask.shape, dtype=torch.bool, device=mask.device) if trunc else None
     logps, entropy = completion_logprobs(
         engine, ro.prompt_ids[idx], ro.prompt_mask[idx], ro.completion_ids[idx, :c],
         ro.completion_mask[idx, :c], g.temperature, entropy=True,
         bucket_tokens=plan.bucket_tokens, logits_budget_mib=plan.logits_budget_mib,
+        truncation=trunc, outside=outside,
     )  # fmt: skip
+    n_outside = 0.0
+    if outside is not None:
+        outside = outside.to(mask.device) & mask.bool()
+        n_outside = float(outside.sum())
+        mask = mask * (~outside).to(mask.dtype)
     if state is not None and first_pass:
         state.gap.add(logps.detach(), ro.sampling_logps[idx, :c], mask)
         if g.old_logprobs == "recompute" and g.mu > 1:
@@ -264,6 +276,8 @@ def _micro_loss(
         m["_w"] = float(mask.sum())
         n_tok = max(m["_w"], 1.0)
         m["entropy"] = float((entropy.detach() * mask).sum()) / n_tok
+        if trunc is not None:
+            m["truncation/outside_frac"] = n_outside / max(n_outside + m["_w"], 1.0)
         if is_w is not None and over is not None:
             m["rollout_correction/weight_mean"] = float(is_w.sum()) / n_tok
             m["rollout_correction/over_threshold_frac"] = float(over.sum()) / n_tok

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from grpo.algo.logprobs import token_entropy, token_logprobs
+from grpo.algo.logprobs import token_entropy, token_logprobs, truncated_token_logprobs
 from grpo.models import lora
 
 # model types whose logits are exactly lm_head(final hidden state): no soft-capping or scale
@@ -148,6 +148,7 @@ def completion_logprobs(
     model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     completion_ids: torch.Tensor, completion_mask: torch.Tensor, temperature: float = 1.0,
     *, entropy: bool = False, bucket_tokens: int = 0, logits_budget_mib: float = 0,
+    truncation: tuple[int, float] | None = None, outside: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """log pi of every completion token [N, C] (0 at padding), and its entropy [N, C] (zeros
     unless asked for), under softmax(logits / temperature).
@@ -155,6 +156,10 @@ def completion_logprobs(
     model: a causal LM, a peft model around one, or a DeepSpeed engine around either (called
     as a whole, so that the engine's and ZeRO-3's hooks run). Prompts may be left-padded and
     completions right-padded: only the masks' real tokens are read.
+    truncation (top_k, top_p): the log-probs are over that truncated distribution (the one a
+    sampler with those settings draws from; the entropy stays the whole distribution's), on
+    the model's full logits; `outside` [N, C] bool, when given, is set where a completion token
+    lies outside this forward's own truncation.
     """
     if completion_ids.shape != completion_mask.shape:
         raise ValueError(
@@ -176,7 +181,16 @@ def completion_logprobs(
             prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows]
         )
         targets = completion_ids[rows][completion_mask[rows].bool()]  # [T], row-major
-        if plain:
+        if truncation is not None:
+            logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+            picked = logits[tok_rows, pred].unsqueeze(0)  # [1, T, V]
+            lp, out_of = truncated_token_logprobs(picked, targets.unsqueeze(0), temperature,
+                                                  *truncation)  # fmt: skip
+            lp = lp[0]
+            ent = token_entropy(picked, temperature)[0] if entropy else torch.zeros_like(lp)
+            if outside is not None:
+                outside[rows[tok_rows], tok_cols] = out_of[0]
+        elif plain:
             seen: list[torch.Tensor] = []
             with _head_inputs(head, seen):
                 model(input_ids=ids, attention_mask=attn, use_cache=False, logits_to_keep=0)

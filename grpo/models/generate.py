@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from grpo.algo.logprobs import token_logprobs
+from grpo.algo.logprobs import token_logprobs, truncated_token_logprobs
 from grpo.models import sampler
 
 
@@ -53,8 +53,10 @@ class Rollout:
 class _LogpRecorder:
     """Logits processor that records log pi(chosen token) one step late (when it is known)."""
 
-    def __init__(self, temperature: float) -> None:
+    def __init__(self, temperature: float, top_k: int = 0, top_p: float = 1.0) -> None:
         self.temperature = temperature
+        # the truncation generate() samples with: the log-prob recorded is over what it kept
+        self.top_k, self.top_p = top_k, top_p
         self.prev: torch.Tensor | None = None  # [B, V] raw logits of the previous step
         self.logps: list[torch.Tensor] = []
 
@@ -66,7 +68,11 @@ class _LogpRecorder:
 
     def finish(self, chosen: torch.Tensor) -> None:
         assert self.prev is not None
-        lp = token_logprobs(self.prev.unsqueeze(1), chosen.unsqueeze(1), self.temperature)
+        if self.top_k or self.top_p < 1.0:
+            lp, _ = truncated_token_logprobs(self.prev.unsqueeze(1), chosen.unsqueeze(1),
+                                             self.temperature, self.top_k, self.top_p)  # fmt: skip
+        else:
+            lp = token_logprobs(self.prev.unsqueeze(1), chosen.unsqueeze(1), self.temperature)
         self.logps.append(lp.squeeze(1))
 
 
@@ -166,7 +172,8 @@ def _hf_generate(
     log-prob of each sampled token."""
     from transformers import GenerationConfig, LogitsProcessorList
 
-    recorder = _LogpRecorder(temperature)
+    recorder = _LogpRecorder(temperature, top_k if do_sample else 0,
+                             top_p if do_sample else 1.0)  # fmt: skip
     gen_cfg = GenerationConfig(
         do_sample=do_sample,
         temperature=temperature if do_sample else None,

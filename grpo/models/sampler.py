@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from grpo.algo.logprobs import filter_logits
 from grpo.models.lora import base_model, effective_bias, effective_weight
 
 SUPPORTED_TYPES = ("qwen2", "llama")
@@ -172,24 +173,6 @@ class Decoder:
         return F.linear(last, self.head, self.head_bias)
 
 
-def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Top-k then nucleus (top-p) truncation: removed tokens get -inf; the top token always stays.
-
-    >>> filter_logits(torch.tensor([[1.0, 3.0, 2.0]]), top_k=2)
-    tensor([[-inf, 3., 2.]])
-    """
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, -1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        srt, order = logits.sort(-1, descending=True)
-        probs = srt.softmax(-1)
-        drop_sorted = (probs.cumsum(-1) - probs) >= top_p  # mass before this token already >= p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
-
-
 def sample_tokens(probs: torch.Tensor) -> torch.Tensor:
     """One draw per row by inverse CDF: [B, V] probabilities -> [B] token ids.
 
@@ -287,6 +270,8 @@ def sample(
         logp_all = torch.log_softmax(scaled, -1)
         if do_sample:
             kept = filter_logits(scaled, top_k, top_p)
+            if kept is not scaled:  # top-k/top-p: the log-probs of what was drawn from
+                logp_all = kept.log_softmax(-1)
             probs = logp_all.exp() if kept is scaled else kept.softmax(-1)
             tok = sample_tokens(probs)
         else:

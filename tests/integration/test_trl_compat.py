@@ -105,6 +105,7 @@ def test_a_trl_named_config_trains(tmp_path):
         "epsilon_high: 0.28\nnum_generations: 4\nsave_steps: 1\nsave_total_limit: 1\n"
         "eval_steps: 0\nbeta: 0.04\nwarmup_steps: 0\nvllm_importance_sampling_correction: true\n"
         "vllm_importance_sampling_mode: token_truncate\nvllm_importance_sampling_cap: 2.0\n"
+        "top_k: 20\ntop_p: 0.95\n"
     )
     given = ("grpo.steps", "grpo.num_generations", "grpo.eval_every", "grpo.checkpoint")
     small = [s for s in SMALL if not s.startswith(given)]
@@ -120,11 +121,14 @@ def test_a_trl_named_config_trains(tmp_path):
     _, metrics = _train(cfg, base_model_dir(cfg), tmp_path / "grpo")
     assert [m["step"] for m in metrics] == [1, 2]
     assert "kl" in metrics[-1] and "clamp/k3_frac" in metrics[-1]
-    # the rollout correction on: the sampler and the trainer are the same weights here, so the
-    # weights sit at 1 within the kernels' numerics, none reaches the cap, and the mismatch's
-    # KL is tiny and (k3) never negative
-    assert g.rollout_correction and g.rollout_correction_mode == "truncate"
+    # the rollout correction on, with top-k/top-p sampling: the sampler and the trainer are the
+    # same weights and both read the truncated distribution, so the weights sit at 1 within the
+    # kernels' numerics, none reaches the cap, the mismatch's KL is tiny and (k3) never
+    # negative; the second pass (mu 2) reads the moved policy, whose truncation leaves out
+    # some drawn tokens (on-policy the two agree exactly: tests/unit/test_sampler.py)
+    assert g.rollout_correction and g.rollout_correction_mode == "truncate" and g.truncates
     for m in metrics:
+        assert 0.0 <= m["truncation/outside_frac"] < 0.5
         assert m["rollout_correction/weight_mean"] == pytest.approx(1.0, abs=1e-2)
         assert m["rollout_correction/over_threshold_frac"] == 0.0
         assert 0.0 <= m["mismatch/kl_k3"] < 1e-3 and abs(m["mismatch/kl_k1"]) < 1e-2

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from grpo.algo import policy_loss
+from grpo.algo.logprobs import truncated_token_logprobs
 from grpo.algo.rollout_correction import correction_weights, mismatch_metrics
 from grpo.config import ConfigError, load_config
 
@@ -101,9 +102,8 @@ def test_trls_names_load_and_a_biased_combination_is_refused():
             g.rollout_correction_threshold) == (True, "sequence", "mask", 3.0)  # fmt: skip
     with pytest.raises(ConfigError, match="vllm_importance_sampling_mode: 'token_clip'"):
         load_config(None, ["grpo.vllm_importance_sampling_mode=token_clip"])
-    # top-p sampling with the whole vocabulary's log-probs: the weight would be biased
-    with pytest.raises(ConfigError, match="rollout_correction with top_p < 1"):
-        load_config(None, ["grpo.rollout_correction=true", "grpo.top_p=0.9"])
+    # with top-p sampling both sides' log-probs are over the truncated distribution
+    assert load_config(None, ["grpo.rollout_correction=true", "grpo.top_p=0.9"]).grpo.truncates
     with pytest.raises(ConfigError, match="old_logprobs sampler"):
         load_config(None, ["grpo.rollout_correction=true", "grpo.mu=2",
                            "grpo.old_logprobs=sampler"])  # fmt: skip
@@ -111,3 +111,21 @@ def test_trls_names_load_and_a_biased_combination_is_refused():
     with pytest.raises(ConfigError, match="grpo.rollout_correction_threshold is set but would "
                        "be ignored: it needs grpo.rollout_correction=true"):  # fmt: skip
         load_config(None, ["grpo.rollout_correction_threshold=3"])
+
+
+def test_the_log_prob_over_a_truncated_distribution_by_hand():
+    # probabilities 0.5, 0.3, 0.15, 0.05; top_p 0.7 keeps the first two (mass 0.8): the kept
+    # ones renormalise to 0.5 / 0.8 and 0.3 / 0.8; the third is outside, flagged
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log().expand(1, 3, 4)
+    lp, outside = truncated_token_logprobs(logits, torch.tensor([[0, 1, 2]]), 1.0, 0, 0.7)
+    assert lp[0, :2].tolist() == pytest.approx([LN(0.5 / 0.8), LN(0.3 / 0.8)])
+    assert outside.tolist() == [[False, False, True]]
+    # top_k 3 at temperature 0.5: softmax of doubled logits over the three largest
+    lp, outside = truncated_token_logprobs(logits, torch.tensor([[2, 2, 3]]), 0.5, 3, 1.0)
+    p = torch.tensor([0.5, 0.3, 0.15]) ** 2
+    assert lp[0, 0].item() == pytest.approx(LN(float(p[2] / p.sum())))
+    assert outside.tolist() == [[False, False, True]]
+    # the gradient flows to the kept logits only
+    z = torch.tensor([[[1.0, 0.5, -3.0]]], requires_grad=True)
+    truncated_token_logprobs(z, torch.tensor([[0]]), 1.0, 2, 1.0)[0].sum().backward()
+    assert z.grad[0, 0, 2].item() == 0.0 and z.grad[0, 0, 0].item() > 0

@@ -66,6 +66,45 @@ def test_sampling_logps_match_a_teacher_forced_forward(kind, engine, temperature
     assert (ro.sampling_logps[after_eos] == 0).all()
 
 
+@pytest.mark.parametrize("engine", ["fast", "hf"])
+def test_top_k_top_p_log_probs_are_over_what_the_sampler_kept(engine):
+    """The sampler records log mu over the truncated distribution it drew from; the trainer's
+    forward with the same truncation gives the same numbers, and no drawn token is outside."""
+    from grpo.algo.logprobs import truncated_token_logprobs
+    from grpo.models.forward import completion_logprobs
+
+    model = _model("qwen2", vocab=64)
+    ids, mask = _prompts()
+    torch.manual_seed(2)
+    ro = generate(model, ids, mask, num_generations=4, max_completion_length=12,
+                  eos_token_id=EOS, pad_token_id=PAD, temperature=0.7, top_k=8, top_p=0.9,
+                  engine=engine)  # fmt: skip
+    logits = completion_logits(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
+                               ro.completion_mask)  # fmt: skip
+    want, outside = truncated_token_logprobs(logits, ro.completion_ids, 0.7, 8, 0.9)
+    real = ro.completion_mask.bool()
+    assert not outside[real].any()
+    torch.testing.assert_close(ro.sampling_logps, want * ro.completion_mask, atol=2e-5,
+                               rtol=1e-4)  # fmt: skip
+    # above the whole distribution's log-prob: the kept mass is below 1
+    full = token_logprobs(logits, ro.completion_ids, 0.7)
+    assert (ro.sampling_logps[real] >= full[real] - 1e-5).all()
+    assert (ro.sampling_logps[real] > full[real] + 1e-4).any()
+    out = torch.zeros_like(real)
+    got, _ = completion_logprobs(
+        model,
+        ro.prompt_ids,
+        ro.prompt_mask,
+        ro.completion_ids,
+        ro.completion_mask,
+        0.7,
+        truncation=(8, 0.9),
+        outside=out,
+    )
+    torch.testing.assert_close(got, ro.sampling_logps, atol=2e-5, rtol=1e-4)
+    assert not out.any()
+
+
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
 def test_greedy_fast_equals_greedy_transformers(kind):
     model = _model(kind, vocab=64)
