@@ -108,13 +108,26 @@ _MODEL_FILE = re.compile(
 
 def model_digest(model_dir: str | Path) -> str:
     """sha256 over the files a model is loaded from (names and contents), for spotting two
-    directories that hold the same model."""
+    directories that hold the same model. A tokenizer.json is read without its padding and
+    truncation state: a tokenizer saved after it padded a batch records them, and loading sets
+    them again (grpo.models.loading), so they say nothing about the model."""
     d = Path(model_dir)
     files = sorted(p for p in d.iterdir() if p.is_file() and _MODEL_FILE.fullmatch(p.name))
     if not files:
         raise FileNotFoundError(f"{d}: no model files (weights, config.json, tokenizer)")
-    listing = "".join(f"{p.name}:{file_digest(p)}\n" for p in files)
+    listing = "".join(f"{p.name}:{_content_digest(p)}\n" for p in files)
     return hashlib.sha256(listing.encode()).hexdigest()
+
+
+def _content_digest(path: Path) -> str:
+    if path.name != "tokenizer.json":
+        return file_digest(path)
+    import json
+
+    tok = json.loads(path.read_text())
+    tok.pop("padding", None)
+    tok.pop("truncation", None)
+    return hashlib.sha256(json.dumps(tok, sort_keys=True).encode()).hexdigest()
 
 
 def write_config(cfg: Config, path: Path) -> Path:

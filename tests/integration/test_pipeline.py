@@ -676,6 +676,15 @@ def test_the_evaluate_stage_evaluates_the_same_weights_once(store, tmp_path):
     model = base_model_dir(cfg)
     same = shutil.copytree(model, tmp_path / "selected")
     (same / "selection_summary.json").write_text("{}")  # beside the weights, not a model file
+    # a policy saved after it padded batches: its tokenizer.json records that runtime state
+    from grpo.models.loading import load_tokenizer
+
+    tok = load_tokenizer(same)
+    tok(["1+1=", "12+34="], padding=True)
+    saved = json.loads((same / "tokenizer.json").read_text())
+    saved["padding"] = json.loads(tok.backend_tokenizer.to_str())["padding"]
+    assert saved["padding"]["direction"] == "Left"
+    (same / "tokenizer.json").write_text(json.dumps(saved))
     other = perturbed_model(model, tmp_path / "other")
     assert model_digest(same) == model_digest(model) != model_digest(other)
     models = {"reference": str(model), "grpo": str(same), "sft_continued": str(other),
