@@ -175,13 +175,15 @@ def _problems(records: list[dict[str, Any]]) -> dict[str, tuple[str, str]]:
     return {str(r["id"]): (r["prompt"], str(r["gold"])) for r in records if r["sample"] == 0}
 
 
-def paired_rows(c: Any, a: Any, b: Any) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+def paired_rows(
+    c: Any, a: Any, b: Any, stages: dict[str, dict[str, Any]]
+) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
     """B - A on the same problems for every model and set both runs evaluated (first sample
     of each problem, 95% normal interval, strict and lenient), and the pairs that could not be
     paired with why (a model one run lacks, or different problems under the same set name)."""
     from grpo.eval.metrics import paired_difference
 
-    ev_a, ev_b = _stages(c, a).get("evaluate"), _stages(c, b).get("evaluate")
+    ev_a, ev_b = stages["A"].get("evaluate"), stages["B"].get("evaluate")
     if ev_a is None or ev_b is None:
         missing = "A" if ev_a is None else "B"
         return [], [{"model": "*", "set": "*", "why": f"{missing} has no evaluate stage"}]
@@ -215,9 +217,9 @@ def paired_rows(c: Any, a: Any, b: Any) -> tuple[list[dict[str, Any]], list[dict
     return rows, skipped
 
 
-def cost_rows(c: Any, a: Any, b: Any) -> list[dict[str, Any]]:
-    """Wall time, peak memory and steps of each run (None where a run did not log it)."""
-    stages = {"A": _stages(c, a), "B": _stages(c, b)}
+def cost_rows(a: Any, b: Any, stages: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Wall time, peak memory and steps of each run (None where a run did not log it); stages:
+    each side's stage runs by stage."""
     rows = []
     for what, source in _COSTS:
         row: dict[str, Any] = {"what": what}
@@ -247,11 +249,12 @@ def compare_runs(c: Any, ref_a: str, ref_b: str) -> dict[str, Any]:
         ref_b: the second run.
     """
     a, b = resolve_run(c, ref_a), resolve_run(c, ref_b)
-    paired, unpaired = paired_rows(c, a, b)
+    stages = {"A": _stages(c, a), "B": _stages(c, b)}  # one search per run, for both tables
+    paired, unpaired = paired_rows(c, a, b, stages)
     return {
         "A": _describe(a), "B": _describe(b), "params": differing_params(a, b),
         "metrics": metric_rows(a, b), "paired": paired, "unpaired": unpaired,
-        "costs": cost_rows(c, a, b),
+        "costs": cost_rows(a, b, stages),
     }  # fmt: skip
 
 

@@ -248,15 +248,15 @@ def _micro_loss(
         outside = outside.to(mask.device) & mask.bool()
         n_outside = float(outside.sum())
         mask = mask * (~outside).to(mask.dtype)
+    sampler = ro.sampling_logps[idx, :c]
     if state is not None and first_pass:
-        state.gap.add(logps.detach(), ro.sampling_logps[idx, :c], mask)
+        state.gap.add(logps.detach(), sampler, mask)
         if g.old_logprobs == "recompute" and g.mu > 1:
             state.old[idx, :c] = logps.detach()
     # mu = 1: pi_old is the current policy exactly (rho = 1, the gradient is the PG)
     old = state.old[idx, :c] if g.mu > 1 and state is not None else logps.detach()
     # the entropy bonus needs the entropy's gradient; otherwise it is a metric only
     bonus = entropy if g.uses_entropy_bonus else None
-    sampler = ro.sampling_logps[idx, :c]
     is_w = over = None
     if g.rollout_correction and state is not None:
         is_w, over = correction_weights(

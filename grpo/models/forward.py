@@ -181,16 +181,7 @@ def completion_logprobs(
             prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows]
         )
         targets = completion_ids[rows][completion_mask[rows].bool()]  # [T], row-major
-        if truncation is not None:
-            logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
-            picked = logits[tok_rows, pred].unsqueeze(0)  # [1, T, V]
-            lp, out_of = truncated_token_logprobs(picked, targets.unsqueeze(0), temperature,
-                                                  *truncation)  # fmt: skip
-            lp = lp[0]
-            ent = token_entropy(picked, temperature)[0] if entropy else torch.zeros_like(lp)
-            if outside is not None:
-                outside[rows[tok_rows], tok_cols] = out_of[0]
-        elif plain:
+        if plain and truncation is None:
             seen: list[torch.Tensor] = []
             with _head_inputs(head, seen):
                 model(input_ids=ids, attention_mask=attn, use_cache=False, logits_to_keep=0)
@@ -200,7 +191,14 @@ def completion_logprobs(
         else:  # the model's own logits at every position: slower, and right for any head
             logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
             picked = logits[tok_rows, pred].unsqueeze(0)  # [1, T, V]
-            lp = token_logprobs(picked, targets.unsqueeze(0), temperature)[0]
+            if truncation is None:
+                lp = token_logprobs(picked, targets.unsqueeze(0), temperature)[0]
+            else:
+                lp, out_of = truncated_token_logprobs(picked, targets.unsqueeze(0), temperature,
+                                                      *truncation)  # fmt: skip
+                lp = lp[0]
+                if outside is not None:
+                    outside[rows[tok_rows], tok_cols] = out_of[0]
             ent = token_entropy(picked, temperature)[0] if entropy else torch.zeros_like(lp)
         rows_out.append(rows[tok_rows])
         cols_out.append(tok_cols)
