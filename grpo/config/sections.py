@@ -179,6 +179,12 @@ class SFTConfig(Strict):
         "moves between runs of one seed; this one gives the same weights every time (e.g. the "
         "sft_continued/steps a run logged)",
     )  # fmt: skip
+    control_lr: float | None = Field(
+        None, gt=0,
+        description="the control's peak learning rate (after sft.warmup_steps, then annealed "
+        "over its budget); unset: sft.lr. The reference's last rate (sft.lr x lr_cut_factor per "
+        "cut) continues its training where it ended instead of re-warming to where it started",
+    )  # fmt: skip
     warmup_steps: int = Field(20, ge=0)
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping of SFT steps")

@@ -197,7 +197,7 @@ def train_reference(
     s = cfg.sft
     plateau = PlateauLR(s.warmup_steps, s.patience, s.lr_cuts, s.lr_cut_factor)
     return _train(cfg, base_dir, out_dir, sets, range(s.max_epochs),
-                  lambda _select: _PlateauStop(plateau), progress=progress)  # fmt: skip
+                  lambda _select: _PlateauStop(plateau), lr=s.lr, progress=progress)  # fmt: skip
 
 
 def train_control(
@@ -207,19 +207,21 @@ def train_control(
 ) -> dict[str, Any]:  # fmt: skip
     """The control: SFT continued from policy_dir for GRPO's wall time, given in seconds
     (max_seconds) or by following GRPO's pace file (follow), or for max_steps steps
-    (sft.control_steps), its learning rate annealed over that budget whatever the plateaus;
-    its last weights go to out_dir."""
+    (sft.control_steps), its learning rate (sft.control_lr, else sft.lr) annealed over that
+    budget whatever the plateaus; its last weights go to out_dir."""
     budget = _Budget(max_seconds, follow, max_steps)
 
     def policy(select: Callable[[], float] | None) -> _BudgetStop:
         return _BudgetStop(budget, cfg.sft.warmup_steps, select if sets.get("select") else None)
 
-    return _train(cfg, policy_dir, out_dir, sets, itertools.count(), policy, progress=False)
+    lr = cfg.sft.control_lr if cfg.sft.control_lr is not None else cfg.sft.lr
+    return _train(cfg, policy_dir, out_dir, sets, itertools.count(), policy, lr=lr,
+                  progress=False)  # fmt: skip
 
 
 def _train(
     cfg: Config, base_dir: str | Path, out_dir: str | Path, sets: dict[str, list[dict]],
-    epochs: Iterable[int], make_policy: Callable[[Callable[[], float]], Any], *,
+    epochs: Iterable[int], make_policy: Callable[[Callable[[], float]], Any], *, lr: float,
     progress: bool = True,
 ) -> dict[str, Any]:  # fmt: skip
     """The SFT loop both runs share; `make_policy(select_accuracy)` gives what differs between
@@ -251,7 +253,7 @@ def _train(
 
     policy = make_policy(select_accuracy)
     engine, _ = build_engine(
-        model, cfg, micro_batch=s.batch_size // world, grad_accum=1, lr=s.lr,
+        model, cfg, micro_batch=s.batch_size // world, grad_accum=1, lr=lr,
         weight_decay=s.weight_decay, max_grad_norm=s.max_grad_norm, lr_fn=policy.lr_fn,
     )  # fmt: skip
     out_dir = Path(out_dir)

@@ -72,9 +72,9 @@ def reference_dir(cfg: Config) -> Path:
     """
     if not cfg.sft.enabled:
         return base_model_dir(cfg)
-    # how the control runs (sft.control, sft.control_steps) does not change the reference it
-    # starts from
-    control = {"control": "auto", "control_steps": None}
+    # how the control runs (sft.control, control_steps, control_lr) does not change the
+    # reference it starts from
+    control = {"control": "auto", "control_steps": None, "control_lr": None}
     # nor do the synthetic sets drawn after sft and sft_val (the RL prompts, the selection split)
     after = {"num_train": 0, "num_select": 0} if cfg.data.task == "synthetic" else {}
     keyed = cfg.model_copy(update={"sft": cfg.sft.model_copy(update=control),

@@ -781,7 +781,7 @@ def test_sft_reference_cache_hit(tmp_path):
     # but how the control runs is not part of it: it starts from the same reference
     from grpo.launch.paths import reference_dir
 
-    for how in ("sft.control=sequential", "sft.control_steps=7"):
+    for how in ("sft.control=sequential", "sft.control_steps=7", "sft.control_lr=0.5"):
         assert reference_dir(small_config(tmp_path, how)) == out
     # edited training data (same config) is a different reference too
     data = tmp_path / "sft.jsonl"

@@ -270,6 +270,11 @@ def test_the_sequential_control_runs_its_seconds_or_steps_in_a_worker_process(tm
     assert [r["lr"] for r in rows] == pytest.approx(lrs, abs=1e-9)
     w = (tmp_path / "w" / "model.safetensors").read_bytes()
     assert w == (tmp_path / "h" / "model.safetensors").read_bytes()
+    # sft.control_lr: the same cosine from another peak (the reference's last rate, say)
+    lower = small_config(tmp_path, "sft.warmup_steps=0", f"sft.control_lr={cfg.sft.lr * 0.3}")
+    train_control(lower, ref, tmp_path / "low", training_sets(lower), max_steps=5)
+    rows = [json.loads(x) for x in (tmp_path / "low_metrics.jsonl").open()]
+    assert [r["lr"] for r in rows] == pytest.approx([0.3 * x for x in lrs], abs=1e-9)
     assert w != (tmp_path / "ctl" / "model.safetensors").read_bytes()
     with pytest.raises(ValueError, match="exactly one"):
         run_control(cfg, ref, tmp_path / "x", seconds=1.0, steps=5, log=lambda s: None)
