@@ -51,11 +51,15 @@ def cmd_sft(a: argparse.Namespace) -> None:
 
 def cmd_train(a: argparse.Namespace) -> None:
     from grpo.launch.run_dir import prepare_run_dir
-    from grpo.launch.runner import run_grpo, run_sft
+    from grpo.launch.runner import run_grpo, run_sft, this_node
 
     cfg = _config(a)
     _preflight(cfg, model_dirs=(a.policy,))
     out = Path(a.out) if a.out else cfg.run_dir() / "grpo"
+    node = this_node(cfg)
+    if node is not None and node.rank > 0:
+        _train_other_node(cfg, a, node, out)
+        return
     prepare_run_dir(out, cfg, resume=a.resume, overwrite=a.overwrite)
     # run_sft reuses a cached reference, and returns model.path itself when SFT is off
     policy = Path(a.policy) if a.policy else run_sft(cfg)
@@ -70,6 +74,23 @@ def cmd_train(a: argparse.Namespace) -> None:
     for k in keys:
         if k in final:
             print(f"  {k:28s} {final[k]:.4f}")
+
+
+def _train_other_node(cfg, a: argparse.Namespace, node, out: Path) -> None:  # noqa: ANN001
+    """A node other than node 0: it starts its own ranks into the run node 0 writes (the same
+    --out, on a filesystem every node shares for checkpoints), from a starting policy it must
+    already hold: building the SFT reference here too would race node 0's build."""
+    from grpo.launch.paths import reference_dir
+    from grpo.launch.runner import NodeError, run_grpo
+
+    policy = Path(a.policy) if a.policy else reference_dir(cfg)
+    if not (policy / "config.json").exists():
+        raise NodeError(
+            f"{node.describe()}: no starting policy at {policy}: pass --policy, or build the "
+            "SFT reference first (grpo sft) where every node reads it"
+        )
+    run_grpo(cfg, policy, out, resume=a.resume)
+    print(f"{node.describe()}: its ranks are done; node 0 writes the run to {out}")
 
 
 def cmd_evaluate(a: argparse.Namespace) -> None:

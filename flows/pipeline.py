@@ -19,7 +19,7 @@ from prefect.states import Cancelled
 from pydantic import BaseModel, Field
 
 from grpo.config import load_config
-from grpo.launch.runner import stop_started
+from grpo.launch.runner import refuse_node_by_node, stop_started
 
 
 class PipelineParams(BaseModel):
@@ -41,6 +41,7 @@ def grpo_pipeline(params: PipelineParams = PipelineParams()) -> Any:  # noqa: B0
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cfg = load_config(params.config, params.overrides)
+    refuse_node_by_node(cfg)
     approval.check_reachable(cfg)
     c = tracking.client(cfg)
     exp_id, tags = tracking.experiment(c, cfg.tracking.experiment, tracking.tracking_uri(cfg))

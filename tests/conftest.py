@@ -52,8 +52,8 @@ def pytest_sessionfinish(session, exitstatus) -> None:  # noqa: ANN001, ARG001
 # modules by their number of tests (most first: the unit tests) and start the serve tests, two
 # tests of 90-250 s, last: --no-loadscope-reorder in pyproject.toml keeps this order
 SLOW_FIRST = ("test_serve", "test_serve_crash", "test_interrupts", "test_install",
-              "test_pipeline", "test_smollm2", "test_cli_ranks", "test_failures", "test_ranks",
-              "test_benchmark_scripts", "test_resume", "test_real_model_path",
+              "test_pipeline", "test_smollm2", "test_nodes", "test_cli_ranks", "test_failures",
+              "test_ranks", "test_benchmark_scripts", "test_resume", "test_real_model_path",
               "test_faults")  # fmt: skip
 
 

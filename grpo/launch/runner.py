@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,15 +73,93 @@ def _local_names() -> set[str]:
     return {"localhost", "127.0.0.1", socket.gethostname()}
 
 
-def launcher_command(cfg: Config, target: list[str]) -> list[str]:
+# the node's index in the hostfile, as cluster launchers set it: torchrun-style jobs
+# (Kubernetes, a script per node) NODE_RANK, Slurm SLURM_NODEID; the first one set is used
+NODE_RANK_VARS = ("NODE_RANK", "SLURM_NODEID")
+
+
+class NodeError(UserError, ValueError):
+    """A node's rank, rendezvous address or port is missing or does not fit the hostfile."""
+
+
+@dataclass(frozen=True)
+class Node:
+    """This machine's place in a multi-node run started one node at a time."""
+
+    rank: int  # its line in the hostfile, from 0
+    hosts: tuple[str, ...]  # the hostfile's nodes, in order
+    master_addr: str  # where rank 0 (on node 0) listens
+    master_port: int
+
+    def describe(self) -> str:
+        return f"node {self.rank} of {len(self.hosts)} ({self.hosts[self.rank]})"
+
+
+def this_node(cfg: Config, environ: Mapping[str, str] | None = None) -> Node | None:
+    """With a hostfile and a node rank in the environment (NODE_RANK or SLURM_NODEID), this
+    machine starts only its own ranks (DeepSpeed's launcher with --no_ssh --node_rank): the
+    way Slurm and Kubernetes jobs start every node. None: no hostfile, or no node rank (then
+    DeepSpeed's launcher starts every node over ssh/pdsh from this one).
+
+    The rendezvous is MASTER_ADDR (default: the hostfile's first host) and MASTER_PORT or
+    deepspeed.master_port, which every node must be given alike: a port picked here would
+    differ between nodes."""
+    env = os.environ if environ is None else environ
+    hostfile = cfg.deepspeed.hostfile
+    name = next((v for v in NODE_RANK_VARS if env.get(v, "").strip()), None)
+    if hostfile is None or name is None:
+        return None
+    hosts = tuple(hostfile_hosts(Path(hostfile)))
+    raw = env[name].strip()
+    if not raw.isdigit() or int(raw) >= len(hosts):
+        raise NodeError(
+            f"{name}={raw}: expected a node index from 0 to {len(hosts) - 1} "
+            f"({hostfile} names {len(hosts)} nodes)"
+        )
+    port = env.get("MASTER_PORT", "").strip()
+    if cfg.deepspeed.master_port is not None:
+        if port and port != str(cfg.deepspeed.master_port):
+            raise NodeError(f"MASTER_PORT={port} but deepspeed.master_port is "
+                            f"{cfg.deepspeed.master_port}: give every node one port")  # fmt: skip
+        port = str(cfg.deepspeed.master_port)
+    if not port.isdigit():
+        raise NodeError(
+            f"{name}={raw} starts this node's ranks only, and every node must meet rank 0 on "
+            "the same port: set MASTER_PORT (or deepspeed.master_port) alike on every node"
+        )
+    addr = env.get("MASTER_ADDR", "").strip() or hosts[0]
+    return Node(int(raw), hosts, addr, int(port))
+
+
+def refuse_node_by_node(cfg: Config, environ: Mapping[str, str] | None = None) -> None:
+    """A pipeline starts every node from its own (DeepSpeed's launcher over ssh/pdsh); started
+    node by node it would wait for ranks that no other node knows to start, so a node rank in
+    its environment is refused before anything runs."""
+    node = this_node(cfg, environ)
+    if node is not None:
+        var = next(v for v in NODE_RANK_VARS if (environ or os.environ).get(v, "").strip())
+        raise NodeError(
+            f"{var} is set ({node.describe()}): a pipeline starts every node of "
+            f"{cfg.deepspeed.hostfile} itself over ssh; unset {var}, or start the nodes one by "
+            "one with `grpo train` (the same --out on each)"
+        )
+
+
+def launcher_command(
+    cfg: Config, target: list[str], environ: Mapping[str, str] | None = None
+) -> list[str]:
     """DeepSpeed's launcher starting the ranks of a hostfile (`target`: what follows `python`,
-    e.g. ["-m", "grpo.launch.worker", "train", ...])."""
+    e.g. ["-m", "grpo.launch.worker", "train", ...]): this node's only when the environment
+    names the node (this_node), else every node's."""
     ds = cfg.deepspeed
     assert ds.hostfile is not None
-    port = ds.master_port or free_port()
+    node = this_node(cfg, environ)
+    port = node.master_port if node else ds.master_port or free_port()
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(port)]
     cmd += ["--hostfile", ds.hostfile]
-    if all(h in _local_names() for h in hostfile_hosts(Path(ds.hostfile))):
+    if node is not None:
+        cmd += ["--no_ssh", "--node_rank", str(node.rank), "--master_addr", node.master_addr]
+    elif all(h in _local_names() for h in hostfile_hosts(Path(ds.hostfile))):
         # every slot on this machine: DeepSpeed would still ssh to it (to check, and for
         # rank 0's address), which a machine without an ssh server refuses
         cmd += ["--no_ssh_check", "--master_addr", "127.0.0.1"]
@@ -97,7 +176,9 @@ class Launch:
     env: dict[str, str] = field(default_factory=dict)
 
 
-def launches(cfg: Config, target: list[str]) -> list[Launch]:
+def launches(
+    cfg: Config, target: list[str], environ: Mapping[str, str] | None = None
+) -> list[Launch]:
     """The processes that run a stage (`target`: what follows `python`): one; deepspeed.nproc
     local ranks, started here; or DeepSpeed's launcher for a hostfile.
 
@@ -108,7 +189,7 @@ def launches(cfg: Config, target: list[str]) -> list[Launch]:
     """
     ds = cfg.deepspeed
     if ds.hostfile is not None:
-        return [Launch(launcher_command(cfg, target))]
+        return [Launch(launcher_command(cfg, target, environ))]
     cmd = [sys.executable, "-u", *target]
     if ds.nproc == 1:
         return [Launch(cmd)]
@@ -349,15 +430,61 @@ def run_grpo(
 
     Returns:
         train_summary.json's contents: final metrics, seconds, the engine that sampled, and
-        the selection's summary when there is a selection split.
+        the selection's summary when there is a selection split. On a node other than node 0
+        of a run started node by node (this_node), {"node": ..., "final": {}}: node 0 writes
+        the run.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
-    cfg_path = write_config(cfg, out_dir / "config.yaml")
+    node = this_node(cfg)
     args = ["--policy", str(policy_dir), "--out", str(out_dir)] + (["--resume"] if resume else [])
+    if node is not None and node.rank > 0:
+        # rank 0, on node 0, writes the run: this node's config goes beside it, not over it
+        with tempfile.TemporaryDirectory(prefix="grpo-node-") as d:
+            cfg_path = write_config(cfg, Path(d) / "config.yaml")
+            _run_node(node, launches(cfg, _worker("train", cfg_path, *args)), log, env)
+        return {"node": node.describe(), "final": {}}
+    cfg_path = write_config(cfg, out_dir / "config.yaml")
     if pace_file is not None:
         args += ["--pace-file", str(pace_file)]
-    run_launches(launches(cfg, _worker("train", cfg_path, *args)), log, env)
+    _run_node(node, launches(cfg, _worker("train", cfg_path, *args)), log, env)
     return _summary(out_dir / "train_summary.json", "train")
+
+
+# how gloo reports a peer that ended (its sockets closed) or went silent (the collective's
+# timeout, deepspeed.timeout_s)
+LOST_PEER = re.compile(
+    r"Connection closed by peer \[(?P<addr>[^\]]+)\]|Connection reset by peer|Timed out"
+)
+
+
+def _run_node(
+    node: Node | None, plan: list[Launch], log: Callable[[str], None], env: dict[str, str] | None
+) -> None:
+    """run_launches, and when this node's ranks failed because they lost another node's, the
+    error says which node (by the peer's address where the hostfile's names resolve, else
+    every other node) instead of gloo's socket message alone."""
+    try:
+        run_launches(plan, log, env)
+    except StageError as e:
+        m = LOST_PEER.search(str(e))
+        if node is None or m is None:
+            raise
+        others = [h for i, h in enumerate(node.hosts) if i != node.rank]
+        named = [h for h in others if m["addr"] and _address_of(h) == m["addr"]] or others
+        raise StageError(
+            f"train stage on {node.describe()} stopped: it lost the ranks of "
+            f"{' or '.join(named)} (ended or unreachable; gloo: {m[0]}): that node's log says why",
+            e.details,
+        ) from None
+
+
+def _address_of(host: str) -> str | None:
+    import socket
+
+    try:
+        return socket.gethostbyname(host)
+    except OSError:  # a name only the cluster's resolver knows
+        return None
 
 
 def run_control(

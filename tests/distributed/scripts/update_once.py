@@ -3,13 +3,17 @@
 Run as one process or as ranks (grpo.launch.runner.launches); the test compares the saved weights.
 Arguments: one or more (config, base model, output directory) triples, each a fresh Trainer
 from its base, one after the other in the same process group (the ranks' start-up, most of a
-launch's time, is paid once for all of them).
+launch's time, is paid once for all of them). Rank 0 also saves the whole gradient as the
+optimizer step sees it (grads.safetensors): Adam's step hardly depends on a gradient's scale,
+so equal weights after one step cannot show a gradient off by the world size.
 """
 
 import sys
 from pathlib import Path
 
 import torch
+from deepspeed.utils import safe_get_full_grad
+from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
@@ -40,7 +44,19 @@ def update_once(cfg_path: str, base: str, out: str) -> None:
     ro = fixed_rollout(t.tok, texts, group_size=n)  # each rank's share is whole groups
     mine = torch.arange(t.rank * n, (t.rank + 1) * n)
     share = ro.select(mine)
+    grads: dict[str, torch.Tensor] = {}
+    step = t.engine.step
+
+    def step_after_saving_grads() -> None:
+        if t.engine.is_gradient_accumulation_boundary():  # collective under ZeRO: every rank
+            for name, p in t.engine.module.named_parameters():
+                grads[name] = safe_get_full_grad(p).detach().clone()
+        step()
+
+    t.engine.step = step_after_saving_grads
     t.update(share, per_token(adv[mine], share), None)
+    if t.rank == 0:
+        save_file(grads, str(Path(out) / "grads.safetensors"))
     save_policy(t.engine, t.tok, Path(out) / "policy", t.rank, cfg.deepspeed.zero_stage)
 
 
