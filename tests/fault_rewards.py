@@ -54,3 +54,11 @@ def os_exits(completions, **kw):
 def huge(completions, **kw):
     # finite as a Python float, inf in float32
     return [1e308 if i % 2 else 0.0 for i in range(len(completions))]
+
+
+def overflow_on_rank1_from_step2(completions, **kw):
+    # finite everywhere at step 1; from step 2 on, rank 1's rows overflow and rank 0's do not
+    _calls["rank1"] = _calls.get("rank1", 0) + 1
+    if os.environ.get("RANK") == "1" and _calls["rank1"] > 1:
+        return overflow(completions)
+    return [float(i % 2) for i in range(len(completions))]

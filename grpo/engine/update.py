@@ -151,11 +151,13 @@ def update_policy(
     rows = trained_rows(g, adv, mask)
     keys = metric_keys(g)
     sums: dict[str, float] = {"_w": 0.0, "loss": 0.0, "nonfinite_losses": 0.0}
+    skipped = 0  # optimizer steps skipped for a non-finite loss (the same on every rank)
     grad_norms: list[float] = []
     # pi_old: the sampler's log-probs, replaced row by row by the first pass's own forward
     # (the parameters do not change within a pass) when old_logprobs is recompute
     state = _PassState(ro.sampling_logps.clone() if g.mu > 1 else ro.sampling_logps)
     for pass_ in range(g.mu):
+        bad_in_pass = 0
         for j in range(plan.n_micro):
             idx = rows[j * plan.micro : (j + 1) * plan.micro]
             weight = micro_weight(g, plan, idx.numel(), mask.shape[0])
@@ -167,11 +169,19 @@ def update_policy(
                 m = {}
             if not torch.isfinite(loss):
                 sums["nonfinite_losses"] += 1
+                bad_in_pass += 1
                 loss = _zero_gradient_loss(engine, g, plan, ro, mask, adv, ref_logps, num_items)
-            engine.backward(loss * weight)
-            if j == plan.n_micro - 1 and plan.zero_stage == 0:
+            boundary = j == plan.n_micro - 1
+            skip = boundary and _any_rank_nonfinite(g, plan, bad_in_pass)
+            # a skipped step's gradient is made non-finite on every rank: DeepSpeed's own
+            # overflow check (ZeRO 1-3, bf16, fp16) then drops it, as a loss scaler does
+            engine.backward(loss * weight * (float("nan") if skip else 1.0))
+            if boundary and plan.zero_stage == 0:
                 grad_norms.append(_local_grad_norm(engine))
-            engine.step()
+            if skip:
+                skipped += _skipped_step(engine)
+            else:
+                engine.step()
             w = m.pop("_w", 0.0)
             for k in keys:
                 sums[k] = sums.get(k, 0.0) + m.get(k, 0.0) * w
@@ -187,11 +197,7 @@ def update_policy(
     out = {k: tot[k] / max(tot["_w"], 1.0) for k in keys}
     out["loss"] = tot["loss"] / plan.world
     out["nonfinite_losses"] = tot["nonfinite_losses"]
-    if tot["nonfinite_losses"] and g.on_nonfinite == "stop":
-        raise FloatingPointError(
-            f"non-finite loss in {int(tot['nonfinite_losses'])} micro-batches; stopping "
-            "(grpo.on_nonfinite=stop); the last checkpoint is kept"
-        )
+    out["optimizer_steps_skipped"] = float(skipped)
     # ZeRO 1-3 report the global norm; stage 0 does not, and its grads are whole on each rank
     gn = engine.get_global_grad_norm()
     out["grad_norm"] = float(gn) if gn is not None else float(grad_norms[-1])
@@ -201,6 +207,43 @@ def update_policy(
     out["logprob_gap/max"] = all_reduce_dict({"max": gap.largest}, plan.device, "max")["max"]
     out["learning_rate"] = float(engine.get_lr()[0])
     return out
+
+
+def _any_rank_nonfinite(g: GRPOConfig, plan: UpdatePlan, bad_in_pass: int) -> bool:
+    """At a pass's accumulation boundary, before its optimizer step: did any rank's loss in
+    this pass go non-finite? A collective every rank reaches at the same micro-batch. With
+    on_nonfinite=stop the run stops here, before the step, keeping the last checkpoint."""
+    bad = all_reduce_dict({"bad": float(bad_in_pass)}, plan.device)["bad"]
+    if bad and g.on_nonfinite == "stop":
+        raise FloatingPointError(
+            f"non-finite loss in {int(bad)} micro-batches; stopping (grpo.on_nonfinite=stop); "
+            "the last checkpoint is kept"
+        )
+    return bool(bad)
+
+
+def _skipped_step(engine: Any) -> int:
+    """Ends a pass whose gradient is non-finite without an optimizer step: no weight, moment
+    or learning-rate schedule moves (DeepSpeed counts it in skipped_steps). DeepSpeed's
+    optimizer wrappers detect the non-finite gradient themselves; a bare optimizer (ZeRO 0 in
+    float32) is told to skip."""
+    before = engine.skipped_steps
+    opt = engine.optimizer
+    if hasattr(opt, "overflow"):
+        engine.step()
+    else:
+        opt.step = lambda *args, **kwargs: None  # shadows the class's step for this call
+        opt.overflow = True
+        try:
+            engine.step()
+        finally:
+            del opt.step, opt.overflow
+    if engine.skipped_steps != before + 1:
+        raise RuntimeError(
+            f"a pass with a non-finite loss was not skipped by {type(opt).__name__}: its "
+            "optimizer step would have applied a non-finite gradient"
+        )
+    return 1
 
 
 def _zero_gradient_loss(

@@ -1,5 +1,6 @@
 """Faults survived: hung or exploding reward functions, non-finite losses, a dead rank."""
 
+import json
 import time
 
 import pytest
@@ -29,25 +30,27 @@ def test_a_hung_reward_function_fails_the_step_naming_it(tmp_path):
     assert time.perf_counter() - start < 30
 
 
-@pytest.mark.parametrize("policy", ["skip", "stop"])
-def test_non_finite_loss_is_skipped_or_stops_keeping_the_checkpoint(tmp_path, policy):
+@pytest.mark.parametrize(("policy", "stage"), [("skip", 0), ("skip", 2), ("stop", 0)])
+def test_non_finite_loss_is_skipped_or_stops_keeping_the_checkpoint(tmp_path, policy, stage):
     """Step 1 is finite and checkpointed, steps 2-3 overflow. `stop` fails at step 2, keeping
-    step 1's checkpoint. `skip` drops each non-finite micro-batch (docs/ALGORITHM.md): the run
-    ends with exactly the weights of one whose steps 2-3 had nothing to learn (zero advantages:
-    zero-gradient calls; the optimizer's moments still step), and no NaN reaches a weight."""
+    step 1's checkpoint. `skip` drops the whole optimizer step of each pass with a non-finite
+    loss, as DeepSpeed's loss scaler drops an overflowing one: the run ends with exactly the
+    weights of a run that stopped after step 1 (no weight, Adam moment or schedule moved), both
+    under ZeRO 0 (a bare optimizer, told to skip) and ZeRO 2 (DeepSpeed's own overflow check)."""
     from grpo.engine.loop import Trainer
 
-    def trainer(name: str, reward: str) -> Trainer:
+    def trainer(name: str, steps: int) -> Trainer:
         fault_rewards._calls.clear()  # the rewards count their calls: step 1 is finite
         cfg = small_config(
-            tmp_path, f"grpo.reward_funcs=['tests.fault_rewards:{reward}']",
+            tmp_path, "grpo.reward_funcs=['tests.fault_rewards:overflow_from_step2']",
             "grpo.reward_weights=[1]", "grpo.advantage_mode=center", "grpo.lr=0.01",
-            f"grpo.on_nonfinite={policy}", "grpo.steps=3", "grpo.checkpoint_every=1",
-            "grpo.warmup_steps=0", "grpo.lr_schedule=constant",
+            f"grpo.on_nonfinite={policy}", f"grpo.steps={steps}", "grpo.checkpoint_every=1",
+            "grpo.warmup_steps=0", "grpo.lr_schedule=constant", "grpo.mu=2",
+            f"deepspeed.zero_stage={stage}",
         )  # fmt: skip
         return Trainer(cfg, base_model_dir(cfg), tmp_path / name)
 
-    t = trainer("grpo", "overflow_from_step2")
+    t = trainer("grpo", 3)
     if policy == "stop":
         with pytest.raises(FloatingPointError, match="non-finite loss"):
             t.train(progress=False)
@@ -56,19 +59,47 @@ def test_non_finite_loss_is_skipped_or_stops_keeping_the_checkpoint(tmp_path, po
 
         ckpt = tmp_path / "grpo" / "checkpoints"
         assert (ckpt / "latest").read_text().strip() == "step0000001"
-        fresh = trainer("fresh", "overflow_from_step2")
+        fresh = trainer("fresh", 3)
         assert checkpoint.load(fresh.engine, ckpt)["step"] == 1
         assert all(torch.isfinite(p).all() for p in fresh.engine.module.parameters())
         return
     out = t.train(progress=False)
     assert out["final"]["nonfinite_losses"] > 0 and out["final"]["step"] == 3
-    trainer("zero", "zero_from_step2").train(progress=False)
+    rows = [json.loads(ln) for ln in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    # mu = 2: two optimizer steps a GRPO step, both skipped at steps 2 and 3, none at step 1
+    assert [r["optimizer_steps_skipped"] for r in rows] == [0.0, 2.0, 2.0]
+    assert t.engine.skipped_steps == 4
+    trainer("one", 1).train(progress=False)
     saved = load_file(tmp_path / "grpo" / "policy" / "model.safetensors")
-    zero = load_file(tmp_path / "zero" / "policy" / "model.safetensors")
+    one = load_file(tmp_path / "one" / "policy" / "model.safetensors")
     base = load_file(base_model_dir(t.cfg) / "model.safetensors")
-    assert any(not zero[k].equal(base[k]) for k in base)  # step 1 did update
-    for k, v in zero.items():
+    assert any(not one[k].equal(base[k]) for k in base)  # step 1 did update
+    for k, v in one.items():
         assert torch.equal(v, saved[k]), k
+
+
+def test_a_non_finite_loss_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+    """Two ranks, ZeRO 2: from step 2 only rank 1's loss overflows. Rank 0's finite
+    micro-batches do not step alone: steps 2 and 3 are skipped on both ranks, and the final
+    weights are step 1's checkpoint's."""
+    cfg = small_config(
+        tmp_path, "deepspeed.nproc=2", "deepspeed.zero_stage=2", "grpo.steps=3",
+        "grpo.reward_funcs=['tests.fault_rewards:overflow_on_rank1_from_step2']",
+        "grpo.reward_weights=[1]", "grpo.advantage_mode=center", "grpo.lr=0.01",
+        "grpo.warmup_steps=0", "grpo.checkpoint_every=1", "grpo.keep_checkpoints=3",
+    )  # fmt: skip
+    out = tmp_path / "grpo"
+    run_grpo(cfg, base_model_dir(cfg), out, log=lambda s: None)
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["optimizer_steps_skipped"] for r in rows] == [0.0, 1.0, 1.0]
+    assert [r["nonfinite_losses"] > 0 for r in rows] == [False, True, True]
+    states = out / "checkpoints" / "step{:07d}" / "mp_rank_00_model_states.pt"
+    first, last = (torch.load(str(states).format(s), weights_only=False)["module"] for s in (1, 3))
+    base = load_file(base_model_dir(cfg) / "model.safetensors")
+    assert any(not first[k].equal(base[k]) for k in base if k in first)  # step 1 did update
+    assert first.keys() == last.keys()
+    for k, v in first.items():
+        assert torch.equal(v, last[k]), k
 
 
 def test_a_reward_beyond_float32_stops_the_run_naming_it(tmp_path):
