@@ -196,7 +196,9 @@ def cmd_serve(a: argparse.Namespace) -> None:
 
     serve(a.config, prefect_port=a.prefect_port, mlflow_port=a.mlflow_port,
           state_dir=a.state_dir, pool=a.pool, stale_hours=a.alert_stale_hours,
-          database=a.database, crashed_after_s=a.crashed_after_s)  # fmt: skip
+          database=a.database, crashed_after_s=a.crashed_after_s, tls_cert=a.tls_cert,
+          tls_key=a.tls_key, tls_self_signed=a.tls_self_signed,
+          insecure_http=a.insecure_http)  # fmt: skip
 
 
 def cmd_worker(a: argparse.Namespace) -> None:

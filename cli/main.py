@@ -96,6 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a flow run that sent no heartbeat for this long (its worker or machine "
                     "died) is set Crashed and its MLflow runs KILLED; keep it above 3 x "
                     "PREFECT_FLOWS_HEARTBEAT_FREQUENCY (180 s)")  # fmt: skip
+    sv.add_argument("--tls-cert", help="PEM certificate (chain) both servers present on https; "
+                    "clients trust its CA through SSL_CERT_FILE / REQUESTS_CA_BUNDLE")  # fmt: skip
+    sv.add_argument("--tls-key", help="the private key of --tls-cert (PEM)")
+    sv.add_argument("--tls-self-signed", action="store_true",
+                    help="https with a certificate made (and kept) in the state directory, for "
+                    "trying it out; clients trust STATE/.grpo-serve/tls/ca-bundle.pem")  # fmt: skip
+    sv.add_argument("--insecure-http", action="store_true",
+                    help="allow plain HTTP on a non-loopback GRPO_SERVE_HOST (passwords cross "
+                    "the network in clear)")  # fmt: skip
     wk = add("worker", commands.cmd_worker, "another worker for a running serve's work pool (this "
              "machine or another)")  # fmt: skip
     wk.add_argument("--pool", default="grpo-process-pool", help="the work pool to serve")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shlex
 import signal
 import sys
 import time
@@ -27,6 +28,7 @@ from infra import auth as server_auth
 from infra.postgres import Stores
 from infra.reaper import Reaper
 from infra.supervision import Children, SupervisionError, bin_path, run_setup, wait_http
+from infra.tls import choose as choose_tls
 from reward_fns.errors import UserError
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -97,6 +99,10 @@ def serve(
     stale_hours: float = alerts.STALE_HOURS,
     database: str | None = None,
     crashed_after_s: int = alerts.CRASHED_AFTER_S,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+    tls_self_signed: bool = False,
+    insecure_http: bool = False,
 ) -> None:
     """Start everything, deploy `config` as the scheduled pipeline, watch the children.
 
@@ -114,6 +120,9 @@ def serve(
         database: None (SQLite files), "local" (PostgreSQL from a wheel in the state dir) or a
             postgresql:// URL of a team's server (its password in PGPASSWORD).
         crashed_after_s: a flow run with no heartbeat for this long is set Crashed.
+        tls_cert, tls_key: both servers on https with this PEM certificate and key.
+        tls_self_signed: both servers on https with a certificate made in the state dir.
+        insecure_http: allow plain HTTP on a non-loopback GRPO_SERVE_HOST (refused otherwise).
     """
     host = os.environ.get("GRPO_SERVE_HOST", "127.0.0.1")
     alert_url = _check_alerts(stale_hours)
@@ -122,10 +131,16 @@ def serve(
     private = server_auth.credentials_path(state).parent
     private.mkdir(mode=0o700, parents=True, exist_ok=True)
     lock = _hold_state_dir(private)  # noqa: F841 (held until this function returns)
-    api_url, tracking = f"http://{host}:{prefect_port}/api", f"http://{host}:{mlflow_port}"
+    tls = choose_tls(host, private, tls_cert, tls_key, tls_self_signed, insecure_http)
+    scheme = "https" if tls else "http"
+    api_url = f"{scheme}://{host}:{prefect_port}/api"
+    tracking = f"{scheme}://{host}:{mlflow_port}"
+    if tls is not None:
+        # serve's own probes and clients (urllib, MLflow's requests) verify with the bundle
+        os.environ.update(tls.client_env())
     creds = server_auth.create_or_load(state, tracking, api_url)
     stores = _stores(database, state, creds)
-    env = _client_env(state, api_url, tracking, creds)
+    env = {**_client_env(state, api_url, tracking, creds), **(tls.client_env() if tls else {})}
     server_env = _server_env(stores, creds, private)
     logs = state / "runs" / "serve"
     logs.mkdir(parents=True, exist_ok=True)
@@ -137,12 +152,19 @@ def serve(
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    children.start([bin_path("prefect"), "server", "start", "--host", host,
-                    "--port", str(prefect_port)], "prefect", server_env["prefect"])  # fmt: skip
+    if tls is None:
+        children.start([bin_path("prefect"), "server", "start", "--host", host,
+                        "--port", str(prefect_port)], "prefect", server_env["prefect"])  # fmt: skip
+    else:
+        children.start([sys.executable, "-m", "infra.prefect_https", host, str(prefect_port),
+                        str(tls.cert), str(tls.key)], "prefect",
+                       {**server_env["prefect"], "PREFECT_UI_API_URL": api_url})  # fmt: skip
+    https = (["--uvicorn-opts", f"--ssl-certfile {shlex.quote(str(tls.cert))} "
+              f"--ssl-keyfile {shlex.quote(str(tls.key))}"] if tls else [])  # fmt: skip
     children.start([bin_path("mlflow"), "server", "--app-name", "basic-auth",
                     "--backend-store-uri", stores.mlflow_uri,
                     "--artifacts-destination", str(state / "mlartifacts"), "--host", host,
-                    "--port", str(mlflow_port), "-w", "1"], "mlflow",
+                    "--port", str(mlflow_port), "-w", "1", *https], "mlflow",
                    server_env["mlflow"])  # fmt: skip
     try:
         wait_http(f"{api_url}/health", 120, "Prefect server")
@@ -154,11 +176,14 @@ def serve(
         # pipelines at once need more workers (`grpo worker`, on this machine or others)
         children.start([bin_path("prefect"), "worker", "start", "--pool", pool, "--limit", "1"],
                        "worker")  # fmt: skip
-        print(f"Prefect UI: http://{host}:{prefect_port}")
-        print(f"MLflow UI:  http://{host}:{mlflow_port}")
+        print(f"Prefect UI: {scheme}://{host}:{prefect_port}")
+        print(f"MLflow UI:  {scheme}://{host}:{mlflow_port}")
         print(f"deployment grpo-pipeline/{DEPLOYMENT} runs {config or 'the default config'}")
         print(said)
         print(f"stores: {stores.describe}")
+        if tls is not None:
+            print(f"TLS: {tls.cert}" + (f"; clients trust it with SSL_CERT_FILE and "
+                  f"REQUESTS_CA_BUNDLE={tls.ca_bundle}" if tls.ca_bundle else ""))  # fmt: skip
         print(f"credentials (user {server_auth.USERNAME}): {server_auth.credentials_path(state)}")
         print(f"logs in {logs}; Ctrl-C stops everything", flush=True)
         last_sweep = 0.0

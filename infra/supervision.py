@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -28,12 +29,22 @@ def bin_path(name: str) -> str:
 
 
 def wait_http(url: str, seconds: float, what: str) -> None:
+    """Poll `url` until it answers. An https server whose certificate this process does not
+    trust fails at once: waiting would not change it."""
     deadline = time.time() + seconds
     while time.time() < deadline:
         try:
             with urllib.request.urlopen(url, timeout=2):
                 return
-        except (urllib.error.URLError, OSError):
+        except urllib.error.URLError as e:
+            if isinstance(e.reason, ssl.SSLCertVerificationError):
+                raise SupervisionError(
+                    f"{what} at {url}: its certificate is not trusted here "
+                    f"({e.reason.verify_message}); set SSL_CERT_FILE and REQUESTS_CA_BUNDLE to "
+                    "a CA bundle that holds the CA that signed it"
+                ) from None
+            time.sleep(1)
+        except OSError:
             time.sleep(1)
     raise RuntimeError(f"{what} did not answer at {url} within {seconds:.0f}s")
 

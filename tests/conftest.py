@@ -51,7 +51,7 @@ def pytest_sessionfinish(session, exitstatus) -> None:  # noqa: ANN001, ARG001
 # loadfile) do not end with one of them alone on a long module. xdist would otherwise reorder
 # modules by their number of tests (most first: the unit tests) and start the serve tests, two
 # tests of 90-250 s, last: --no-loadscope-reorder in pyproject.toml keeps this order
-SLOW_FIRST = ("test_serve", "test_serve_crash", "test_interrupts", "test_install",
+SLOW_FIRST = ("test_serve", "test_serve_crash", "test_serve_tls", "test_interrupts", "test_install",
               "test_pipeline", "test_smollm2", "test_nodes", "test_cli_ranks", "test_failures",
               "test_ranks", "test_benchmark_scripts", "test_resume", "test_real_model_path",
               "test_faults")  # fmt: skip

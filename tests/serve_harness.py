@@ -7,6 +7,7 @@ import base64
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -62,8 +63,11 @@ class Served:
              "--state-dir", str(self.state), "--pool", "e2e-pool", *stale],
             stdout=self.out.open("w"), stderr=subprocess.STDOUT, env=env, cwd=tmp,
         )  # fmt: skip
-        self.api = f"http://127.0.0.1:{self.prefect}/api"
-        self.tracking = f"http://127.0.0.1:{self.mlflow}"
+        scheme = "https" if "--tls-self-signed" in extra else "http"
+        self.api = f"{scheme}://127.0.0.1:{self.prefect}/api"
+        self.tracking = f"{scheme}://127.0.0.1:{self.mlflow}"
+        tls = self.state / ".grpo-serve" / "tls"
+        self.ca = tls / "ca-bundle.pem" if scheme == "https" else None
         self.creds: dict = {}
 
     def wait_ready(self, seconds: float = 300) -> None:
@@ -84,7 +88,14 @@ class Served:
             "MLFLOW_TRACKING_PASSWORD": self.creds["mlflow_password"],
             "PREFECT_API_URL": self.api,
             "PREFECT_API_AUTH_STRING": f"admin:{self.creds['prefect_password']}",
-        }
+            # on https: the standard variables name the CA bundle serve made
+            **({"SSL_CERT_FILE": str(self.ca), "REQUESTS_CA_BUNDLE": str(self.ca)}
+               if self.ca else {}),
+        }  # fmt: skip
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """On https: a context that trusts serve's CA bundle (and nothing else)."""
+        return ssl.create_default_context(cafile=str(self.ca)) if self.ca else None
 
     def _auth(self) -> dict[str, str]:
         token = base64.b64encode(f"admin:{self.creds['prefect_password']}".encode()).decode()
@@ -117,24 +128,24 @@ class Served:
         hdrs = {"Content-Type": "application/json", **self._auth()}
         req = urllib.request.Request(f"{self.api}{path}", data=json.dumps(body).encode(),
                                      headers=hdrs)  # fmt: skip
-        with urllib.request.urlopen(req, timeout=30) as r:
+        with urllib.request.urlopen(req, timeout=30, context=self.ssl_context()) as r:
             return json.loads(r.read())
 
     def api_get(self, path: str) -> dict:
         req = urllib.request.Request(f"{self.api}{path}", headers=self._auth())
-        with urllib.request.urlopen(req, timeout=30) as r:
+        with urllib.request.urlopen(req, timeout=30, context=self.ssl_context()) as r:
             return json.loads(r.read())
 
     def api_patch(self, path: str, body: dict) -> None:
         hdrs = {"Content-Type": "application/json", **self._auth()}
         req = urllib.request.Request(f"{self.api}{path}", data=json.dumps(body).encode(),
                                      headers=hdrs, method="PATCH")  # fmt: skip
-        with urllib.request.urlopen(req, timeout=30):
+        with urllib.request.urlopen(req, timeout=30, context=self.ssl_context()):
             pass
 
     def flow_run_state(self, run_id: str) -> str:
         req = urllib.request.Request(f"{self.api}/flow_runs/{run_id}", headers=self._auth())
-        with urllib.request.urlopen(req, timeout=30) as r:
+        with urllib.request.urlopen(req, timeout=30, context=self.ssl_context()) as r:
             return json.loads(r.read())["state"]["type"]
 
     def why(self, run_id: str, lines: int = 40) -> str:
