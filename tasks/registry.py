@@ -6,8 +6,9 @@ from pathlib import Path
 from typing import Any
 
 from grpo.config import Config
+from tasks.alias_lock import alias_move
 from tasks.gate import decide, decision_markdown, evidence_tags, tidy
-from tasks.tracking import client, safe_key
+from tasks.tracking import client, safe_key, tracking_uri
 
 
 def register(
@@ -49,26 +50,31 @@ def register(
             [{"name": name, "version": int(mv.version)}])})  # fmt: skip
     tags = {safe_key(k): tidy(v) for k, v in metrics.items()}
     tags.update(evidence_tags(vs_reference, vs_champion))
+    if logged:
+        # the SQL stores keep no model id on a version (a server's answer has it): a tag does
+        tags["logged_model_id"] = logged
     passed, reason = decide(
         vs_reference, vs_champion, champion_version, cfg.tracking.promotion_margin,
         cfg.tracking.promotion_metric,
     )  # fmt: skip
-    if passed:
-        passed, reason = _champion_unchanged(c, name, champion_version, reason)
     awaiting = cfg.tracking.promotion == "approve"
-    verdict = ("recommended" if passed else "not recommended") if awaiting else (
-        "promoted" if passed else "not promoted")  # fmt: skip
-    tags.update({"gate/decision": verdict, "promotion": reason,
-                 "gate/champion_version": str(champion_version or "none"),
-                 "eval_settings": cfg.digest("eval", "data")})  # fmt: skip
-    if awaiting:
-        tags["approval/decision"] = "awaiting"
-    for k, v in tags.items():
-        c.set_model_version_tag(name, mv.version, k, v)
-    c.set_registered_model_alias(name, "challenger", mv.version)
-    promoted = passed and not awaiting
-    if promoted:
-        c.set_registered_model_alias(name, "champion", mv.version)
+    # compare-and-set: the champion is checked again and moved under one lock
+    with alias_move(tracking_uri(cfg), name, "champion"):
+        if passed:
+            passed, reason = _champion_unchanged(c, name, champion_version, reason)
+        verdict = ("recommended" if passed else "not recommended") if awaiting else (
+            "promoted" if passed else "not promoted")  # fmt: skip
+        tags.update({"gate/decision": verdict, "promotion": reason,
+                     "gate/champion_version": str(champion_version or "none"),
+                     "eval_settings": cfg.digest("eval", "data")})  # fmt: skip
+        if awaiting:
+            tags["approval/decision"] = "awaiting"
+        for k, v in tags.items():
+            c.set_model_version_tag(name, mv.version, k, v)
+        c.set_registered_model_alias(name, "challenger", mv.version)
+        promoted = passed and not awaiting
+        if promoted:
+            c.set_registered_model_alias(name, "champion", mv.version)
     decision = decision_markdown(
         name, str(mv.version), promoted, reason, vs_reference, vs_champion, champion_version,
         cfg.tracking.promotion_margin, advice=passed if awaiting else None,
@@ -84,8 +90,7 @@ def _champion_unchanged(c: Any, name: str, compared: str | None, reason: str) ->
     """The gate's evidence is against the champion of the run's start: when another pipeline
     moved @champion since (two finishing at once, or a decision that waited for a person), that
     evidence no longer says anything, and the candidate is not promoted over a model it never
-    met. (MLflow has no compare-and-set for aliases: a move in the instant between this check
-    and the alias write is not caught.)"""
+    met. Called inside tasks.alias_lock.alias_move, with the move that follows it."""
     now = _alias_version(c, name, "champion")
     now_v = str(now.version) if now is not None else None
     if now_v == (str(compared) if compared is not None else None):
@@ -106,19 +111,20 @@ def apply_approval(cfg: Config, reg: dict[str, Any], approval: dict[str, Any]) -
     name, version = reg["name"], str(reg["version"])
     promote = bool(approval["promote"])
     why = f"{'approved' if promote else 'rejected'} by {approval['by']}: {approval['reason']}"
-    if promote:
-        promote, reason = _champion_unchanged(c, name, reg["champion_version"], why)
-    else:
-        reason = why
-    if promote and not reg["gate_passed"]:
-        reason += " (against the gate's advice)"
-    tags = {"approval/decision": "approved" if approval["promote"] else "rejected",
-            "approval/by": approval["by"], "approval/at": approval["at"],
-            "approval/reason": approval["reason"], "promotion": reason}  # fmt: skip
-    for k, v in tags.items():
-        c.set_model_version_tag(name, version, k, v)
-    if promote:
-        c.set_registered_model_alias(name, "champion", version)
+    with alias_move(tracking_uri(cfg), name, "champion"):
+        if promote:
+            promote, reason = _champion_unchanged(c, name, reg["champion_version"], why)
+        else:
+            reason = why
+        if promote and not reg["gate_passed"]:
+            reason += " (against the gate's advice)"
+        tags = {"approval/decision": "approved" if approval["promote"] else "rejected",
+                "approval/by": approval["by"], "approval/at": approval["at"],
+                "approval/reason": approval["reason"], "promotion": reason}  # fmt: skip
+        for k, v in tags.items():
+            c.set_model_version_tag(name, version, k, v)
+        if promote:
+            c.set_registered_model_alias(name, "champion", version)
     aliases = "@champion and @challenger" if promote else "@challenger"
     heading = (f"**{name} version {version}: {'promoted' if promote else 'not promoted'}** "
                f"({aliases}). {reason}")  # fmt: skip
@@ -168,7 +174,8 @@ def promote(cfg: Config, version: str, alias: str = "champion", reason: str = ""
     c = client(cfg)
     name = cfg.tracking.registered_model
     c.get_model_version(name, version)  # raises if it does not exist
-    c.set_registered_model_alias(name, alias, version)
+    with alias_move(tracking_uri(cfg), name, alias):
+        c.set_registered_model_alias(name, alias, version)
     who = f"{getpass.getuser()} at {time.strftime('%Y-%m-%d %H:%M:%S')}"
     c.set_model_version_tag(
         name, version, f"manual/{alias}", f"{who}: {reason or 'no reason given'}"

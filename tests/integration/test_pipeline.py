@@ -237,6 +237,7 @@ def test_end_to_end_logs_registers_and_loads(store):
     assert parent.data.tags["promotion.decision"] == decided == mv.tags["gate/decision"]
     assert mv.tags["checkpoint/step"] == "3" and "last step" in mv.tags["checkpoint/selection"]
     assert mv.source == f"models:/{models[-1].model_id}"  # the last step's, not a checkpoint
+    assert mv.tags["logged_model_id"] == models[-1].model_id  # kept where the store has no field
     # and the Models tab shows it registered: the logged model names its version
     assert json.loads(models[-1].tags["mlflow.modelVersions"]) == [
         {"name": "tiny-e2e", "version": int(mv.version)}
@@ -364,6 +365,67 @@ def test_the_gate_on_real_registry_state(store):
         and f"moved from v{better['version']} to v{first['version']}" in (stale["reason"])
     )
     assert c.get_model_version_by_alias("gate-test", "champion").version == first["version"]
+    _two_promotions_at_once_leave_one_winner(cfg, c, exp, good_ref, first["version"])
+
+
+def _two_promotions_at_once_leave_one_winner(cfg, c, exp, good_ref, champ) -> None:  # noqa: ANN001
+    """Two pipelines finishing together, both with evidence against the same champion: the
+    check of @champion is widened to half a second, so that without compare-and-set both would
+    pass it before either moved the alias. Exactly one is promoted; the other is told the
+    champion moved. The lock on a server (a Prefect concurrency limit of one, on this module's
+    Prefect API) excludes a second holder the same way."""
+    import threading
+    import time
+
+    from tasks import registry
+    from tasks.alias_lock import AliasLockError, _prefect_lock, lock_name
+
+    real = registry._champion_unchanged
+
+    def slow_check(*args):  # noqa: ANN002, ANN202
+        out = real(*args)
+        time.sleep(0.5)
+        return out
+
+    registry._champion_unchanged = slow_check
+    results: list[dict] = []
+    try:
+        ids = [c.create_run(exp).info.run_id for _ in range(2)]
+        threads = [threading.Thread(target=lambda r=r: results.append(registry.register(
+            cfg, r, f"runs:/{r}/policy", {"eval/synthetic/accuracy": 0.95},
+            vs_reference=good_ref, vs_champion={"diff": 0.3, "ci_low": 0.2, "ci_high": 0.4,
+                                                "n": 1e3}, champion_version=champ)))
+            for r in ids]  # fmt: skip
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        registry._champion_unchanged = real
+    assert sorted(r["champion"] for r in results) == [False, True], results
+    (won,) = [r for r in results if r["champion"]]
+    (lost,) = [r for r in results if not r["champion"]]
+    assert f"moved from v{champ} to v{won['version']}" in lost["reason"]
+    assert c.get_model_version_by_alias("gate-test", "champion").version == won["version"]
+
+    name, held = lock_name("gate-test", "champion"), threading.Event()
+    release = threading.Event()
+
+    def holder() -> None:
+        with _prefect_lock(name, "http://tracking", wait_s=30):
+            held.set()
+            release.wait(30)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    assert held.wait(60)
+    with pytest.raises(AliasLockError, match="another alias move held grpo-alias-gate-test"):
+        with _prefect_lock(name, "http://tracking", wait_s=2):
+            pass
+    release.set()
+    t.join()
+    with _prefect_lock(name, "http://tracking", wait_s=30):
+        pass  # free again
 
 
 def _paused_flow_run(thread, seconds: float = 600):  # noqa: ANN001, ANN202
