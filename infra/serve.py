@@ -245,8 +245,6 @@ def _client_env(state: Path, api_url: str, tracking: str, creds: Any) -> dict[st
         "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
         "HF_HUB_OFFLINE": "1",
         "GRPO_SERVE_STATE": str(state),
-        # prefect.yaml's pull step is {{ $PWD }}: the project, wherever serve was started from
-        "PWD": str(PROJECT),
         **creds.client_env(),
     })  # fmt: skip
     return env

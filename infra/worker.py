@@ -14,8 +14,10 @@ from infra.supervision import bin_path
 def worker(pool: str = POOL, name: str | None = None, limit: int = 1) -> None:
     """Another worker for a running serve's pool, on this machine or another: checks that the
     Prefect API (PREFECT_API_URL, credentials as for any client) answers, then becomes
-    `prefect worker start`. Its flow runs need the project at the same path as serve's (the
-    deployment's pull step) and MLflow's address and credentials in this environment."""
+    `prefect worker start`. Its flow runs run in this worker's own checkout (the one it is
+    started from, or GRPO_PROJECT_DIR: the deployment's pull step,
+    infra.deployment_steps.enter_project) and need MLflow's address and credentials in this
+    environment; every artifact goes to the MLflow server through its artifact proxy."""
     api = os.environ.get("PREFECT_API_URL", "")
     if not api.startswith(("http://", "https://")):
         raise ServeError(

@@ -1,11 +1,16 @@
 """`grpo serve --tls-self-signed`: both servers on https only; a client without the CA is
 refused, one with it (the standard variables) works, and so do the worker and its flow runs.
-A non-loopback address without TLS is refused before anything starts."""
+A worker that shares only the network with serve (another checkout at another path, its own
+HOME and Prefect home, no state directory) runs a whole pipeline whose model is registered and
+downloadable from the server alone. A non-loopback address without TLS is refused before
+anything starts."""
 
 from __future__ import annotations
 
 import http.client
 import os
+import shutil
+import signal
 import ssl
 import subprocess
 import sys
@@ -15,14 +20,18 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import ROOT
 from tests.serve_harness import WAITING, Served
 
 pytestmark = [pytest.mark.slow, pytest.mark.serve]
 GRPO = str(Path(sys.executable).with_name("grpo"))
 
 
-def test_serve_on_https_refuses_clients_without_the_ca_and_speaks_no_plain_http(tmp_path):
+def test_serve_on_https_refuses_clients_without_the_ca_and_speaks_no_plain_http(
+    tmp_path, monkeypatch
+):
     s = Served(tmp_path, "serve-tls", extra=("--tls-self-signed",))
+    remote = None
     try:
         s.wait_ready()
         out = s.out.read_text()
@@ -57,7 +66,14 @@ def test_serve_on_https_refuses_clients_without_the_ca_and_speaks_no_plain_http(
         bad = s.trigger(timeout=0, overrides=["grpo.steps=0"])
         assert s.wait_state(bad["id"], (*WAITING, "RUNNING"), 180, "the run ended") == "FAILED"
         assert "grpo.steps" in s.api_get(f"/flow_runs/{bad['id']}")["state"]["message"]
+        for k, v in s.client_env().items():
+            monkeypatch.setenv(k, v)
+        remote = _remote_worker(s, tmp_path)
+        _a_run_on_the_remote_worker_is_registered_and_served(s, tmp_path, remote)
     finally:
+        if remote is not None:
+            remote.send_signal(signal.SIGINT)
+            remote.wait(timeout=60)
         rc = s.stop()
     assert rc == 0, s.out.read_text()[-2000:]
 
@@ -69,3 +85,53 @@ def test_serve_on_https_refuses_clients_without_the_ca_and_speaks_no_plain_http(
     assert plain.stderr.count("\n") == 1 and "GRPO_SERVE_HOST=0.0.0.0 is not loopback" in (
         plain.stderr)  # fmt: skip
     assert not (tmp_path / "open" / "runs").exists()
+
+
+def _remote_worker(s: Served, tmp: Path) -> subprocess.Popen:
+    """`grpo worker` from a copy of the project at another path, with its own HOME and Prefect
+    home and only the client settings a remote machine would hold (no serve state directory);
+    serve's own worker is frozen so that the copy takes the next run."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+    clone = tmp / "elsewhere" / "grpo-pipeline"
+    for f in files:
+        if (ROOT / f).is_file():
+            (clone / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, clone / f)
+    home = tmp / "remote-home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PREFECT_", "MLFLOW_", "GRPO_"))}  # fmt: skip
+    # the copy's packages first on the path, as its own install would make them (this test
+    # shares one virtual environment, whose editable install points at the project)
+    env.update({**s.client_env(), "HOME": str(home), "PREFECT_HOME": str(home / ".prefect"),
+                "PREFECT_WORKER_QUERY_SECONDS": "2", "HF_HUB_OFFLINE": "1",
+                "PYTHONPATH": str(clone)})  # fmt: skip
+    s.child("worker start").suspend()
+    return subprocess.Popen(
+        [GRPO, "worker", "--pool", "e2e-pool", "--name", "remote"], env=env, cwd=clone,
+        stdout=(tmp / "remote.out").open("w"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+
+
+def _a_run_on_the_remote_worker_is_registered_and_served(
+    s: Served, tmp: Path, remote: subprocess.Popen
+) -> None:
+    from mlflow import MlflowClient
+    from mlflow.artifacts import download_artifacts
+
+    run = s.trigger(timeout=0)
+    state = s.wait_state(run["id"], (*WAITING, "RUNNING"), 600, "the remote worker's run ended")
+    assert state == "COMPLETED", s.why(run["id"]) + (tmp / "remote.out").read_text()[-2000:]
+    assert remote.poll() is None
+    assert f"submitting flow run '{run['id']}'" in (tmp / "remote.out").read_text()
+    clone = tmp / "elsewhere" / "grpo-pipeline"
+    # the flow run entered the copy, not the path serve deployed from
+    assert f"flow run in the project at {clone.resolve()}\n" in (tmp / "remote.out").read_text()
+    # what it made is on the server: the registered version and its model, downloaded by a
+    # client that holds nothing but the server's address, credentials and CA
+    c = MlflowClient(s.tracking, s.tracking)
+    mv = c.get_model_version_by_alias("serve-tls", "challenger")
+    assert c.get_run(mv.run_id).info.artifact_uri.startswith("mlflow-artifacts:/")
+    dst = download_artifacts(artifact_uri="models:/serve-tls@challenger", dst_path=str(tmp / "got"))
+    assert list(Path(dst).rglob("model.safetensors")), list(Path(dst).rglob("*"))[:20]
