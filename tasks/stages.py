@@ -359,9 +359,12 @@ def evaluate(cfg: Config, parent_id: str, models: dict[str, str], run_dir: Path)
                 # sampled pass@k for the two models compared (k samples cost k greedy
                 # evaluations): not for the reference (the selection split's is measured before
                 # training), the last steps or the champion
+                sampled = label in PASS_K_MODELS and cfg.eval.pass_k > 0 and cfg.eval.samples == 1
+                print(f"evaluating {label}" + (f", with {cfg.eval.pass_k} samples a problem"
+                      if sampled else ""), flush=True)  # fmt: skip
                 reports[label] = evaluate_model(
                     cfg, path, cfg.eval.sets, str(out), samples=cfg.eval.samples,
-                    limit=cfg.eval.limit, progress=False,
+                    limit=cfg.eval.limit, progress=True,
                     pass_k=None if label in PASS_K_MODELS else 0,
                 )  # fmt: skip
                 evaluated.setdefault(digest, label)
