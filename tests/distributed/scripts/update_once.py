@@ -50,7 +50,9 @@ def update_once(cfg_path: str, base: str, out: str) -> None:
     def step_after_saving_grads() -> None:
         if t.engine.is_gradient_accumulation_boundary():  # collective under ZeRO: every rank
             for name, p in t.engine.module.named_parameters():
-                grads[name] = safe_get_full_grad(p).detach().clone()
+                g = safe_get_full_grad(p)  # None for a frozen weight (LoRA's base)
+                if g is not None:
+                    grads[name] = g.detach().clone()
         step()
 
     t.engine.step = step_after_saving_grads
