@@ -8,8 +8,13 @@ import json
 import os
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cli.signals import Interrupted
+
+if TYPE_CHECKING:  # the CLI imports its heavy modules when a command runs
+    from grpo.config import Config
+    from grpo.launch.runner import Node
 
 
 def _config(a: argparse.Namespace):  # noqa: ANN202
@@ -76,7 +81,7 @@ def cmd_train(a: argparse.Namespace) -> None:
             print(f"  {k:28s} {final[k]:.4f}")
 
 
-def _train_other_node(cfg, a: argparse.Namespace, node, out: Path) -> None:  # noqa: ANN001
+def _train_other_node(cfg: Config, a: argparse.Namespace, node: Node, out: Path) -> None:
     """A node other than node 0: it starts its own ranks into the run node 0 writes (the same
     --out, on a filesystem every node shares for checkpoints), from a starting policy it must
     already hold: building the SFT reference here too would race node 0's build."""

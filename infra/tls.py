@@ -14,7 +14,6 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
-import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -170,13 +169,3 @@ def _write_bundle(bundle: Path, cert: Path) -> None:
     import certifi
 
     bundle.write_text(Path(certifi.where()).read_text() + "\n" + cert.read_text())
-
-
-def context(tls: TLS | None) -> ssl.SSLContext | None:
-    """The SSL context serve's own probes use: the bundle when there is one, else the
-    default (which reads SSL_CERT_FILE)."""
-    if tls is None:
-        return None
-    if tls.ca_bundle is not None:
-        return ssl.create_default_context(cafile=str(tls.ca_bundle))
-    return ssl.create_default_context()

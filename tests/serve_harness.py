@@ -165,7 +165,12 @@ class Served:
             time.sleep(1)
         return state
 
-    def stop(self) -> int:
+    def stop(self, *workers: subprocess.Popen | None) -> int:
+        """Ctrl-C to the test's own extra workers (those started), then to serve; its code."""
+        for w in workers:
+            if w is not None:
+                w.send_signal(signal.SIGINT)
+                w.wait(timeout=60)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
         return self.proc.wait(timeout=120)

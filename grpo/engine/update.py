@@ -179,7 +179,8 @@ def update_policy(
             if boundary and plan.zero_stage == 0:
                 grad_norms.append(_local_grad_norm(engine))
             if skip:
-                skipped += _skipped_step(engine)
+                _skip_step(engine)
+                skipped += 1
             else:
                 engine.step()
             w = m.pop("_w", 0.0)
@@ -222,7 +223,7 @@ def _any_rank_nonfinite(g: GRPOConfig, plan: UpdatePlan, bad_in_pass: int) -> bo
     return bool(bad)
 
 
-def _skipped_step(engine: Any) -> int:
+def _skip_step(engine: Any) -> None:
     """Ends a pass whose gradient is non-finite without an optimizer step: no weight, moment
     or learning-rate schedule moves (DeepSpeed counts it in skipped_steps). DeepSpeed's
     optimizer wrappers detect the non-finite gradient themselves; a bare optimizer (ZeRO 0 in
@@ -243,7 +244,6 @@ def _skipped_step(engine: Any) -> int:
             f"a pass with a non-finite loss was not skipped by {type(opt).__name__}: its "
             "optimizer step would have applied a non-finite gradient"
         )
-    return 1
 
 
 def _zero_gradient_loss(

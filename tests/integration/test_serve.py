@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -355,10 +354,7 @@ def test_a_triggered_deployment_runs_on_the_worker_and_lands_in_the_mlflow_serve
         below = s.children()
         assert len(below) >= 3
     finally:
-        if w2 is not None:
-            w2.send_signal(signal.SIGINT)
-            w2.wait(timeout=60)
-        rc = s.stop()
+        rc = s.stop(w2)
     assert rc == 0, s.out.read_text()[-2000:]
     time.sleep(1)
     assert not alive(below), alive(below)

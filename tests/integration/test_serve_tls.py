@@ -10,7 +10,6 @@ from __future__ import annotations
 import http.client
 import os
 import shutil
-import signal
 import ssl
 import subprocess
 import sys
@@ -71,10 +70,7 @@ def test_serve_on_https_refuses_clients_without_the_ca_and_speaks_no_plain_http(
         remote = _remote_worker(s, tmp_path)
         _a_run_on_the_remote_worker_is_registered_and_served(s, tmp_path, remote)
     finally:
-        if remote is not None:
-            remote.send_signal(signal.SIGINT)
-            remote.wait(timeout=60)
-        rc = s.stop()
+        rc = s.stop(remote)
     assert rc == 0, s.out.read_text()[-2000:]
 
     # a non-loopback address without TLS: refused in one line, nothing started
