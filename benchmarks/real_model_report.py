@@ -86,10 +86,13 @@ def _model_rows(run_dir: Path) -> list[str]:
             sampled = _by_set(_jsonl(run_dir / "eval" / label / "samples_sampled.jsonl"), s)
             k = summarize(sampled) if sampled else {}
             fmt = lambda key, k=k: f"{k[key]:.3f}" if key in k else "-"  # noqa: E731
+            # pass@8 may be sampled on the first eval.pass_k_limit problems only
+            fewer = k and k["num_problems"] != m["num_problems"]
+            n = f" (n={int(k['num_problems'])})" if fewer else ""
             lines.append(
                 f"| {s} | {label} | {int(m['num_problems'])} | {m['accuracy']:.3f} "
                 f"[{m['accuracy_ci_low']:.3f}, {m['accuracy_ci_high']:.3f}] | "
-                f"{m['accuracy_lenient']:.3f} | {fmt('mean_accuracy')} | {fmt('pass@8')} | "
+                f"{m['accuracy_lenient']:.3f} | {fmt('mean_accuracy')} | {fmt('pass@8')}{n} | "
                 f"{fmt('maj@8')} | {m['mean_length']:.1f} | {m['truncation_rate']:.3f} |"
             )
     return lines

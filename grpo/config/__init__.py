@@ -144,6 +144,9 @@ class Config(Strict):
                 "eval.pass_k samples beside a greedy completion; with eval.samples > 1 there is "
                 "no greedy one: give one of them"
             )
+        if self.eval.pass_k_limit is not None and not self.eval.pass_k:
+            raise ValueError("eval.pass_k_limit is set but eval.pass_k is 0: there is no sampled "
+                             "pass@k to limit")  # fmt: skip
         if self.model.lora.enabled and self.data.num_select:
             raise ValueError(
                 "data.num_select with model.lora is not supported: the selected step's adapter "

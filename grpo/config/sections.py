@@ -218,6 +218,11 @@ class EvalConfig(Strict):
         "per problem of the first eval set sampled at grpo.temperature (the training "
         "distribution) for sampled_pass@k and sampled_maj@k; 0: none. Needs eval.samples 1",
     )  # fmt: skip
+    pass_k_limit: int | None = Field(
+        None, gt=0,
+        description="sampled pass@k on the first this many problems of the first set (k samples "
+        "cost k greedy evaluations); None: all of them. Greedy accuracy keeps every problem",
+    )  # fmt: skip
     temperature: float = Field(1.0, gt=0)
     limit: int | None = Field(None, gt=0)
     batch_size: int = Field(256, gt=0)

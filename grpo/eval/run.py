@@ -115,8 +115,8 @@ def evaluate_model(
         progress: show a progress bar.
         base: the base model of a LoRA adapter.
         pass_k: sampled completions per problem at grpo.temperature beside the greedy one, for
-            sampled_pass@k and sampled_maj@k on the first set (default: eval.pass_k; their
-            records go to samples_sampled.jsonl).
+            sampled_pass@k and sampled_maj@k on the first set's first eval.pass_k_limit problems
+            (default: eval.pass_k; their records go to samples_sampled.jsonl).
     """
     from grpo.models import lora
     from grpo.models.loading import device_for, load_model, load_tokenizer
@@ -153,9 +153,9 @@ def evaluate_model(
         k = cfg.eval.pass_k if pass_k is None else pass_k
         if k and samples == 1 and name == sets[0]:  # k samples cost k greedy evaluations
             sampled = generate_for_rows(
-                model, tok, rows, cfg, device, samples=k, temperature=cfg.grpo.temperature,
-                batch_size=cfg.eval.batch_size, max_new_tokens=cfg.eval.max_new_tokens,
-                seed=cfg.seed + 1, progress=progress,
+                model, tok, rows[: cfg.eval.pass_k_limit], cfg, device, samples=k,
+                temperature=cfg.grpo.temperature, batch_size=cfg.eval.batch_size,
+                max_new_tokens=cfg.eval.max_new_tokens, seed=cfg.seed + 1, progress=progress,
             )  # fmt: skip
             for r in sampled:
                 r["set"] = name
@@ -164,6 +164,7 @@ def evaluate_model(
                 {f"sampled_{key}": v for key, v in s.items()
                  if key.startswith(("pass@", "maj@")) or key == "mean_accuracy"}
             )  # fmt: skip
+            report["sets"][name]["sampled_problems"] = float(len(sampled) // k)
             sampled_records += sampled
         report["sets"][name]["left_out"] = float(len(left_out))
         report["sets"][name]["left_out_ids"] = [str(r["id"]) for r in left_out]

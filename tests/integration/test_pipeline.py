@@ -734,7 +734,7 @@ def test_the_evaluate_stage_evaluates_the_same_weights_once(store, tmp_path):
     from grpo.launch.paths import base_model_dir, model_digest
     from tasks import stages, tracking
 
-    cfg = small_config(tmp_path, "eval.limit=12", "eval.pass_k=2")
+    cfg = small_config(tmp_path, "eval.limit=12", "eval.pass_k=2", "eval.pass_k_limit=5")
     model = base_model_dir(cfg)
     same = shutil.copytree(model, tmp_path / "selected")
     (same / "selection_summary.json").write_text("{}")  # beside the weights, not a model file
@@ -763,6 +763,11 @@ def test_the_evaluate_stage_evaluates_the_same_weights_once(store, tmp_path):
     assert "same_weights_as" not in reports["grpo"] | reports["sft_continued"]
     assert reports["reference"]["model"] == str(model)
     assert "sampled_pass@2" in reports["reference"]["sets"]["synthetic"]
+    # greedy on all 12 problems, sampled pass@2 on the first 5 only
+    sampled = tracking.read_jsonl(tmp_path / "run" / "eval" / "grpo" / "samples_sampled.jsonl")
+    assert len(sampled) == 10 and len({r["id"] for r in sampled}) == 5
+    assert reports["grpo"]["sets"]["synthetic"]["sampled_problems"] == 5
+    assert reports["grpo"]["sets"]["synthetic"]["num_problems"] == 12
     assert ev["paired"]["grpo"]["synthetic"]["diff"] == 0.0
     # what evaluating the reference again gives: the same completions, the same numbers
     fresh = evaluate_model(cfg, str(model), cfg.eval.sets, str(tmp_path / "fresh"), limit=12,

@@ -213,3 +213,10 @@ def test_the_same_settings_with_their_switch_on_load():
     # run's own config.yaml (what its ranks and a resume read) always loads again
     cfg = load_config(None, ["model.lora.r=16", "grpo.max_sampling_rounds=3"])
     assert not cfg.model.lora.enabled
+
+
+def test_a_pass_k_limit_without_pass_k_is_refused():
+    # a setting that would be ignored is an error
+    with pytest.raises(ConfigError, match="eval.pass_k_limit is set but eval.pass_k is 0"):
+        load_config(None, ["eval.pass_k_limit=100"])
+    assert load_config(None, ["eval.pass_k=8", "eval.pass_k_limit=100"]).eval.pass_k_limit == 100
