@@ -293,13 +293,18 @@ def sft_control(
     """The honest control: the SFT reference trained on for the GRPO stage's wall time, after
     it (seconds) or beside it until its pace file says done (follow); or, to reproduce a
     control exactly, for a fixed number of steps (sft.control_steps)."""
+    import torch
+
     from grpo.launch.runner import run_control
 
     log = get_run_logger()
     out = run_dir / "sft_continued"
+    # beside GRPO on part of the cores, all of them once GRPO is done
+    after = torch.get_num_threads() if follow and threads else None
     with stage_run(cfg, parent_id, "sft_continued") as run_id:
         summary = run_control(cfg, Path(reference), out, seconds=seconds, follow=follow,
-                              steps=steps, log=log.info, env=_thread_env(threads))  # fmt: skip
+                              steps=steps, log=log.info, env=_thread_env(threads),
+                              threads_after=after)  # fmt: skip
         c = tracking.client(cfg)
         rows = tracking.read_jsonl(out.with_name(out.name + "_metrics.jsonl"))
         tracking.log_step_metrics(c, run_id, rows, prefix="sft_continued/")

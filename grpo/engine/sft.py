@@ -90,10 +90,16 @@ class _Budget:
     number of its own steps (the one budget that does not depend on how fast anything ran)."""
 
     def __init__(
-        self, seconds: float | None, follow: Path | None, steps: int | None = None
-    ) -> None:
+        self, seconds: float | None, follow: Path | None, steps: int | None = None,
+        threads_after: int | None = None,
+    ) -> None:  # fmt: skip
         control_budget(seconds, follow, steps)
+        if threads_after is not None and (follow is None or threads_after < 1):
+            raise ValueError(
+                f"threads_after ({threads_after}) needs a followed run and at least 1 thread"
+            )
         self.seconds, self.follow, self.steps = seconds, follow, steps
+        self.threads_after = threads_after
         self.t0: float | None = None
         self.done = False
         self.step = 0  # steps taken, set by the training loop
@@ -105,6 +111,11 @@ class _Budget:
         if self.follow is not None:
             # one read per step: `spent` after the step uses the done flag read here
             frac, self.done = read_pace(self.follow)
+            if self.done and self.threads_after:
+                # the followed run has ended: its cores are free for the last step and the
+                # final validation and selection
+                torch.set_num_threads(self.threads_after)
+                self.threads_after = None
             return frac
         if self.t0 is None:  # the clock starts at the first step
             self.t0 = time.time()
@@ -203,13 +214,14 @@ def train_reference(
 def train_control(
     cfg: Config, policy_dir: str | Path, out_dir: str | Path, sets: dict[str, list[dict]],
     *, max_seconds: float | None = None, follow: Path | None = None,
-    max_steps: int | None = None,
+    max_steps: int | None = None, threads_after: int | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """The control: SFT continued from policy_dir for GRPO's wall time, given in seconds
     (max_seconds) or by following GRPO's pace file (follow), or for max_steps steps
     (sft.control_steps), its learning rate (sft.control_lr, else sft.lr) annealed over that
-    budget whatever the plateaus; its last weights go to out_dir."""
-    budget = _Budget(max_seconds, follow, max_steps)
+    budget whatever the plateaus; its last weights go to out_dir. threads_after: with follow,
+    the CPU threads to use once the followed run is done (its cores are then free)."""
+    budget = _Budget(max_seconds, follow, max_steps, threads_after)
 
     def policy(select: Callable[[], float] | None) -> _BudgetStop:
         return _BudgetStop(budget, cfg.sft.warmup_steps, select if sets.get("select") else None)

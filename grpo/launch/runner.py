@@ -497,10 +497,11 @@ def run_control(
     steps: int | None = None,
     log: Callable[[str], None] = print,
     env: dict[str, str] | None = None,
+    threads_after: int | None = None,
 ) -> dict[str, Any]:
     """The SFT control: the reference trained on for `seconds`, until the GRPO run whose pace
     file is `follow` is done, or for `steps` steps (exactly one of them). Its weights go to
-    out_dir."""
+    out_dir. threads_after: with follow, its CPU threads once that run is done."""
     from grpo.engine.pace import control_budget
 
     given = control_budget(seconds, follow, steps)  # checked here, before a process starts
@@ -508,6 +509,8 @@ def run_control(
     cfg_path = write_config(cfg, out_dir.with_name(out_dir.name + "_config.yaml"))
     args = ["--policy", str(reference), "--out", str(out_dir)]
     args += [a for k, v in given.items() for a in (f"--{k}", str(v))]
+    if threads_after is not None:
+        args += ["--threads-after", str(threads_after)]
     run_launches(launches(cfg, _worker("control", cfg_path, *args)), log, env)
     return _summary(out_dir / "control_summary.json", "control")
 

@@ -75,6 +75,8 @@ def _main(argv: list[str] | None) -> None:
     p.add_argument("--seconds", type=float, help="control: its budget in seconds")
     p.add_argument("--follow", help="control: the pace file of the GRPO run it follows")
     p.add_argument("--steps", type=int, help="control: its budget in steps")
+    p.add_argument("--threads-after", type=int,
+                   help="control: CPU threads once the followed run is done")  # fmt: skip
     p.add_argument("--pace-file", help="train: write progress here after every step")
     p.add_argument("--local_rank", type=int, default=None)  # passed by older launchers
     a = p.parse_args(argv)
@@ -99,6 +101,7 @@ def _main(argv: list[str] | None) -> None:
         summary = train_control(
             cfg, a.policy, Path(a.out), training_sets(cfg), max_seconds=a.seconds,
             follow=Path(a.follow) if a.follow else None, max_steps=a.steps,
+            threads_after=a.threads_after,
         )  # fmt: skip
         if rank == 0:
             summary.pop("history")

@@ -60,3 +60,29 @@ def test_pace_file_round_trip(tmp_path):
     other = tmp_path / "sub" / "pace.json"
     mark_done(other)  # a run that failed before writing anything
     assert read_pace(other) == (0.0, True)
+
+
+def test_the_control_takes_the_followed_runs_cores_once_it_is_done(tmp_path):
+    """Beside GRPO the control has part of the cores; the read that finds GRPO done gives it
+    threads_after for its last step and final selection, once, and not before."""
+    import torch
+
+    from grpo.engine.pace import mark_done, write_pace
+    from grpo.engine.sft import _Budget
+
+    path = tmp_path / "pace.json"
+    before = torch.get_num_threads()
+    target = 1 if before > 1 else 2
+    try:
+        budget = _Budget(None, path, threads_after=target)
+        write_pace(path, 1, 4)
+        assert budget.fraction() == 0.25 and torch.get_num_threads() == before
+        assert not budget.spent()
+        mark_done(path)
+        assert budget.fraction() == 0.25 and budget.spent()
+        assert torch.get_num_threads() == target and budget.threads_after is None
+    finally:
+        torch.set_num_threads(before)
+    # without a followed run there is no moment to change at: refused
+    with pytest.raises(ValueError, match="threads_after"):
+        _Budget(10.0, None, threads_after=2)
