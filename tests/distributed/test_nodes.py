@@ -62,20 +62,24 @@ def node_updates(tmp_path_factory) -> dict[str, Path]:
         cmd = plan[0].cmd
         assert cmd[cmd.index("--node_rank") + 1] == str(r) and "--no_ssh" in cmd
         assert cmd[cmd.index("--master_port") + 1] == str(port)
-    errors: list[BaseException] = []
+    errors: list[str] = []
+    logs: list[list[str]] = [[], []]
 
-    def node(plan) -> None:  # noqa: ANN001
+    def node(r: int, plan) -> None:  # noqa: ANN001
         try:
-            run_launches(plan, log=lambda line: None)
+            run_launches(plan, log=logs[r].append)
         except BaseException as e:  # noqa: BLE001 - handed to the test thread below
-            errors.append(e)
+            errors.append(f"node {r}: {e}")
+        finally:  # kept: a rank that aborts says why only in its output
+            (tmp / f"node{r}.log").write_text("\n".join(logs[r]))
 
-    threads = [threading.Thread(target=node, args=(p,)) for p in plans]
+    threads = [threading.Thread(target=node, args=(r, p)) for r, p in enumerate(plans)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert not errors, errors
+    assert not errors, "\n".join(errors + ["--- node output tails ---"]
+                                  + [ln for lg in logs for ln in lg[-25:]])  # fmt: skip
     return {"one": tmp / "one", "z2": tmp / "nodes-z2", "z3": tmp / "nodes-z3"}
 
 
