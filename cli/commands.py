@@ -210,3 +210,30 @@ def cmd_worker(a: argparse.Namespace) -> None:
     from infra.worker import worker
 
     worker(a.pool, a.name, a.limit)
+
+
+def cmd_users(a: argparse.Namespace) -> None:
+    from mlflow.exceptions import MlflowException
+
+    from infra import users
+
+    if a.action != "list" and not a.name:
+        raise users.UsersError(f"grpo users {a.action} NAME: the account's name is missing")
+    try:
+        _users(a, users)
+    except MlflowException as e:  # the server's refusal (not admin, no such user): one line
+        raise users.UsersError(f"grpo users {a.action}: {e.message}") from None
+
+
+def _users(a: argparse.Namespace, users) -> None:  # noqa: ANN001
+    if a.action == "add":
+        if not a.role:
+            raise users.UsersError("grpo users add NAME --role reader|trainer|approver")
+        path = users.add_user(a.name, a.role, Path(a.out) if a.out else None)
+        print(f"{a.name}: {a.role}; its client settings (password inside, mode 600): {path}")
+    elif a.action == "remove":
+        users.remove_user(a.name)
+        print(f"{a.name}: removed")
+    else:
+        for name, role in users.list_users():
+            print(f"{name}\t{role}")

@@ -111,6 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--name", help="the worker's name in the Prefect UI (default: generated)")
     wk.add_argument("--limit", type=int, default=1,
                     help="flow runs at once here (a pipeline uses every core)")  # fmt: skip
+    us = add("users", commands.cmd_users, "accounts with a role on the served MLflow (admin only):"
+             " reader, trainer (logs, registers), approver (also moves @champion)")  # fmt: skip
+    us.add_argument("action", choices=["add", "remove", "list"])
+    us.add_argument("name", nargs="?", help="the account (add, remove)")
+    us.add_argument("--role", choices=["reader", "trainer", "approver"], help="add: its role")
+    us.add_argument("--out", help="add: where its settings file goes (default: "
+                    "STATE/.grpo-serve/users/NAME.env)")  # fmt: skip
     sv.add_argument("--alert-stale-hours", type=float, default=26.0,
                     help="with GRPO_ALERT_WEBHOOK_URL set: alert when the nightly deployment has "
                     "had no completed run for this long")  # fmt: skip
@@ -172,6 +179,7 @@ RESUME = {
     "compare": "stopped; nothing was changed",
     "import-gguf": "stopped; the next run converts the file again",
     "worker": "the worker stopped; a flow run it had started ends Crashed",
+    "users": "stopped; `grpo users list` shows what exists",
 }
 
 

@@ -161,7 +161,7 @@ def serve(
                        {**server_env["prefect"], "PREFECT_UI_API_URL": api_url})  # fmt: skip
     https = (["--uvicorn-opts", f"--ssl-certfile {shlex.quote(str(tls.cert))} "
               f"--ssl-keyfile {shlex.quote(str(tls.key))}"] if tls else [])  # fmt: skip
-    children.start([bin_path("mlflow"), "server", "--app-name", "basic-auth",
+    children.start([bin_path("mlflow"), "server", "--app-name", "grpo-roles",
                     "--backend-store-uri", stores.mlflow_uri,
                     "--artifacts-destination", str(state / "mlartifacts"), "--host", host,
                     "--port", str(mlflow_port), "-w", "1", *https], "mlflow",

@@ -73,8 +73,10 @@ def register(
             c.set_model_version_tag(name, mv.version, k, v)
         c.set_registered_model_alias(name, "challenger", mv.version)
         promoted = passed and not awaiting
-        if promoted:
-            c.set_registered_model_alias(name, "champion", mv.version)
+        if promoted and (refused := _move_champion(c, name, str(mv.version))):
+            promoted, reason = False, f"{reason}; {refused}"
+            c.set_model_version_tag(name, mv.version, "promotion", reason)
+            c.set_model_version_tag(name, mv.version, "gate/decision", "recommended")
     decision = decision_markdown(
         name, str(mv.version), promoted, reason, vs_reference, vs_champion, champion_version,
         cfg.tracking.promotion_margin, advice=passed if awaiting else None,
@@ -121,10 +123,11 @@ def apply_approval(cfg: Config, reg: dict[str, Any], approval: dict[str, Any]) -
         tags = {"approval/decision": "approved" if approval["promote"] else "rejected",
                 "approval/by": approval["by"], "approval/at": approval["at"],
                 "approval/reason": approval["reason"], "promotion": reason}  # fmt: skip
+        if promote and (refused := _move_champion(c, name, version)):
+            promote, reason = False, f"{reason}; {refused}"
+            tags["promotion"] = reason
         for k, v in tags.items():
             c.set_model_version_tag(name, version, k, v)
-        if promote:
-            c.set_registered_model_alias(name, "champion", version)
     aliases = "@champion and @challenger" if promote else "@challenger"
     heading = (f"**{name} version {version}: {'promoted' if promote else 'not promoted'}** "
                f"({aliases}). {reason}")  # fmt: skip
@@ -132,6 +135,22 @@ def apply_approval(cfg: Config, reg: dict[str, Any], approval: dict[str, Any]) -
     c.update_model_version(name, version, description=f"{decision}\n\n{reg['about']}".strip())
     return {**reg, "champion": promote, "reason": reason, "decision": decision,
             "awaiting_approval": False}  # fmt: skip
+
+
+def _move_champion(c: Any, name: str, version: str) -> str | None:
+    """Point @champion at version; on a server with roles (infra.roles) an account that may
+    not (a worker's trainer account) is refused: returns what to do then, for the version's
+    record, instead of failing a pipeline whose every result is already logged."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        c.set_registered_model_alias(name, "champion", version)
+    except MlflowException as e:
+        if e.error_code != "PERMISSION_DENIED":
+            raise
+        return (f"not moved: the server refused this account ({e.message}); an approver "
+                f"runs `grpo promote --version {version}`")  # fmt: skip
+    return None
 
 
 def champion(cfg: Config, dst: Path) -> dict[str, Any]:
@@ -169,6 +188,7 @@ def promote(cfg: Config, version: str, alias: str = "champion", reason: str = ""
         reason: why, recorded on the version with who and when.
     """
     import getpass
+    import os
     import time
 
     c = client(cfg)
@@ -176,7 +196,10 @@ def promote(cfg: Config, version: str, alias: str = "champion", reason: str = ""
     c.get_model_version(name, version)  # raises if it does not exist
     with alias_move(tracking_uri(cfg), name, alias):
         c.set_registered_model_alias(name, alias, version)
-    who = f"{getpass.getuser()} at {time.strftime('%Y-%m-%d %H:%M:%S')}"
+    # a served MLflow also records the account on the version itself (promoted_by)
+    account = os.environ.get("MLFLOW_TRACKING_USERNAME")
+    who = (f"{getpass.getuser()}{f' (account {account})' if account else ''} at "
+           f"{time.strftime('%Y-%m-%d %H:%M:%S')}")  # fmt: skip
     c.set_model_version_tag(
         name, version, f"manual/{alias}", f"{who}: {reason or 'no reason given'}"
     )
