@@ -21,7 +21,11 @@ class UsersError(UserError, RuntimeError):
 
 
 def _client() -> Any:
-    from mlflow.server.auth.client import AuthServiceClient
+    import warnings
+
+    with warnings.catch_warnings():  # MLflow's server module imports a deprecated Starlette one
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from mlflow.server.auth.client import AuthServiceClient
 
     uri = os.environ.get("MLFLOW_TRACKING_URI", "")
     if not uri.startswith(("http://", "https://")):
@@ -99,8 +103,9 @@ def remove_user(name: str) -> None:
 
 def list_users() -> list[tuple[str, str]]:
     """Every account and its role (admin for MLflow admins), sorted by name."""
-    from mlflow.server.auth.routes import LIST_USERS
+    client = _client()
+    from mlflow.server.auth.routes import LIST_USERS  # imported by _client, warnings and all
 
-    users = _client()._request(LIST_USERS, "GET")["users"]
+    users = client._request(LIST_USERS, "GET")["users"]
     return sorted((u["username"], role_from(u["is_admin"], {r["name"] for r in u["roles"]}))
                   for u in users)  # fmt: skip

@@ -99,10 +99,12 @@ def _remote_worker(s: Served, tmp: Path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PREFECT_", "MLFLOW_", "GRPO_"))}  # fmt: skip
     # the copy's packages first on the path, as its own install would make them (this test
-    # shares one virtual environment, whose editable install points at the project)
+    # shares one virtual environment, whose editable install points at the project); on
+    # MLflow the worker is a trainer account, made by serve's admin with `grpo users add`
     env.update({**s.client_env(), "HOME": str(home), "PREFECT_HOME": str(home / ".prefect"),
                 "PREFECT_WORKER_QUERY_SECONDS": "2", "HF_HUB_OFFLINE": "1",
                 "PYTHONPATH": str(clone)})  # fmt: skip
+    env.update(_account(s, tmp, "remote-trainer", "trainer"))
     s.child("worker start").suspend()
     return subprocess.Popen(
         [GRPO, "worker", "--pool", "e2e-pool", "--name", "remote"], env=env, cwd=clone,
@@ -131,3 +133,80 @@ def _a_run_on_the_remote_worker_is_registered_and_served(
     assert c.get_run(mv.run_id).info.artifact_uri.startswith("mlflow-artifacts:/")
     dst = download_artifacts(artifact_uri="models:/serve-tls@challenger", dst_path=str(tmp / "got"))
     assert list(Path(dst).rglob("model.safetensors")), list(Path(dst).rglob("*"))[:20]
+    _roles_hold(s, tmp, mv)
+
+
+def _account(s: Served, tmp: Path, name: str, role: str) -> dict[str, str]:
+    """`grpo users add` as serve's admin (credentials from the state directory): the new
+    account's settings file, read back as the variables its holder sets."""
+    admin = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_TRACKING_")}
+    admin |= {"MLFLOW_TRACKING_URI": s.tracking, "GRPO_SERVE_STATE": str(s.state)}
+    out = subprocess.run([GRPO, "users", "add", name, "--role", role], env=admin, text=True,
+                         capture_output=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    path = s.state / ".grpo-serve" / "users" / f"{name}.env"
+    assert path.stat().st_mode & 0o077 == 0 and str(path) in out.stdout
+    found = dict(line.split("=", 1) for line in path.read_text().split())
+    assert found["MLFLOW_TRACKING_PASSWORD"] not in out.stdout + out.stderr
+    return found
+
+
+def _roles_hold(s: Served, tmp: Path, mv) -> None:  # noqa: ANN001
+    """The remote worker's trainer account registered the version but could not move
+    @champion; an approver's `grpo promote` does, and the server records both names. Readers
+    read and nothing else; trainers cannot move or delete what an approver guards."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    c = MlflowClient(s.tracking, s.tracking)  # admin (the test's environment)
+    assert mv.tags["registered_by"] == "remote-trainer"
+    assert "promoted_by" not in mv.tags
+    assert "champion" not in c.get_registered_model("serve-tls").aliases
+    if mv.tags["gate/decision"] == "recommended":  # the gate passed; the account could not
+        assert f"an approver runs `grpo promote --version {mv.version}`" in mv.tags["promotion"]
+    else:
+        assert mv.tags["gate/decision"] == "not promoted", mv.tags
+    lead = _account(s, tmp, "lead", "approver")
+    reader = _account(s, tmp, "viewer", "reader")
+    trainer = dict(line.split("=", 1) for line in (
+        s.state / ".grpo-serve" / "users" / "remote-trainer.env").read_text().split())  # fmt: skip
+
+    def attempt(account: dict[str, str], call) -> str:  # noqa: ANN001
+        with pytest.MonkeyPatch.context() as mp:
+            for k, v in account.items():
+                mp.setenv(k, v)
+            mp.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+            try:
+                call(MlflowClient(s.tracking, s.tracking))
+            except MlflowException as e:
+                return e.error_code
+        return "OK"
+
+    name, v = "serve-tls", mv.version
+    writes = {
+        "create experiment": lambda m: m.create_experiment(f"x-{len(m.search_experiments())}"),
+        "tag the version": lambda m: m.set_model_version_tag(name, v, "note", "x"),
+        "set @challenger": lambda m: m.set_registered_model_alias(name, "challenger", v),
+        "set @champion": lambda m: m.set_registered_model_alias(name, "champion", v),
+        "delete the version": lambda m: m.delete_model_version(name, "999"),
+    }
+    may = {"viewer": set(), "remote-trainer": {"create experiment", "tag the version",
+                                               "set @challenger"}}  # fmt: skip
+    for who, account in (("viewer", reader), ("remote-trainer", trainer)):
+        assert attempt(account, lambda m: m.search_experiments()) == "OK"
+        for what, call in writes.items():
+            want = "OK" if what in may[who] else "PERMISSION_DENIED"
+            assert attempt(account, call) == want, (who, what)
+    # the approver promotes with the CLI; the server, not the client, names who did it
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_TRACKING_")}
+    env |= {"MLFLOW_TRACKING_URI": s.tracking, **lead}
+    out = subprocess.run([GRPO, "promote", "--config", str(s.config), "--version", str(v),
+                          "--reason", "approved in review"], env=env, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    now = c.get_model_version_by_alias("serve-tls", "champion")
+    assert now.version == v and now.tags["promoted_by"] == "lead"
+    assert "(account lead)" in now.tags["manual/champion"]
+    listed = subprocess.run([GRPO, "users", "list"], capture_output=True, text=True, timeout=120)
+    roles = "admin admin lead approver remote-trainer trainer viewer reader"
+    assert listed.stdout.split() == roles.split(), listed.stderr[-2000:]
