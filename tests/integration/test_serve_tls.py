@@ -197,6 +197,21 @@ def _roles_hold(s: Served, tmp: Path, mv) -> None:  # noqa: ANN001
         for what, call in writes.items():
             want = "OK" if what in may[who] else "PERMISSION_DENIED"
             assert attempt(account, call) == want, (who, what)
+    # an approval the trainer account's flow run would apply: recorded, @champion unmoved
+    from grpo.config import load_config
+    from tasks.registry import apply_approval
+
+    reg = {"name": name, "version": v, "champion_version": None, "gate_passed": True,
+           "decision": "the gate's text", "about": ""}  # fmt: skip
+    with pytest.MonkeyPatch.context() as mp:
+        for k, val in trainer.items():
+            mp.setenv(k, val)
+        got = apply_approval(load_config(str(s.config)), reg, {"promote": True, "by": "ana",
+                             "reason": "looks right", "at": "now"})  # fmt: skip
+    assert not got["champion"] and "champion" not in c.get_registered_model(name).aliases
+    tags = c.get_model_version(name, v).tags
+    assert tags["approval/decision"] == "approved" and tags["approval/by"] == "ana"
+    assert f"an approver runs `grpo promote --version {v}`" in tags["promotion"], tags
     # the approver promotes with the CLI; the server, not the client, names who did it
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_TRACKING_")}
     env |= {"MLFLOW_TRACKING_URI": s.tracking, **lead}
