@@ -8,6 +8,7 @@ anything starts."""
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import shutil
 import ssl
@@ -197,17 +198,19 @@ def _roles_hold(s: Served, tmp: Path, mv) -> None:  # noqa: ANN001
         for what, call in writes.items():
             want = "OK" if what in may[who] else "PERMISSION_DENIED"
             assert attempt(account, call) == want, (who, what)
-    # an approval the trainer account's flow run would apply: recorded, @champion unmoved
-    from grpo.config import load_config
-    from tasks.registry import apply_approval
-
+    # an approval the trainer account's flow run would apply (in a process of its own, as a
+    # flow run is, with the trainer's credentials): recorded, @champion unmoved
+    code = ("import json, sys; from grpo.config import load_config; "
+            "from tasks.registry import apply_approval; "
+            "print(json.dumps(apply_approval(load_config(sys.argv[1]), json.loads(sys.argv[2]), "
+            "{'promote': True, 'by': 'ana', 'reason': 'looks right', 'at': 'now'})))")  # fmt: skip
     reg = {"name": name, "version": v, "champion_version": None, "gate_passed": True,
            "decision": "the gate's text", "about": ""}  # fmt: skip
-    with pytest.MonkeyPatch.context() as mp:
-        for k, val in trainer.items():
-            mp.setenv(k, val)
-        got = apply_approval(load_config(str(s.config)), reg, {"promote": True, "by": "ana",
-                             "reason": "looks right", "at": "now"})  # fmt: skip
+    run = subprocess.run([sys.executable, "-c", code, str(s.config), json.dumps(reg)],
+                         env={**os.environ, **trainer}, capture_output=True, text=True,
+                         timeout=180)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
     assert not got["champion"] and "champion" not in c.get_registered_model(name).aliases
     tags = c.get_model_version(name, v).tags
     assert tags["approval/decision"] == "approved" and tags["approval/by"] == "ana"
