@@ -34,7 +34,7 @@ GRANTS = {"reader": "READ", "trainer": "EDIT", "approver": "EDIT"}
 GRANT_TYPES = ("experiment", "registered_model")
 WORKSPACE = "default"  # where MLflow keeps roles when workspaces are off
 
-_API = re.compile(r"^/(?:ajax-)?api/[0-9.]+/(mlflow(?:-artifacts)?)/(.*)$")
+_API = re.compile(r"^/(?:ajax-)?api/[0-9.]+/mlflow(?:-artifacts)?/(.*)$")
 # POST endpoints that only read (searches) and the UI's GraphQL queries
 _READ_POSTS = re.compile(r"(^|/)[a-z-]*search[a-z-]*$")
 _SELF_SERVICE = ("users/update-password",)
@@ -54,7 +54,7 @@ def refusal(role: str, method: str, path: str, args: dict[str, Any]) -> str | No
     m = _API.match(path)
     if path == "/graphql" or m is None:
         return None  # the UI's pages and GraphQL queries read
-    api, endpoint = m.groups()
+    endpoint = m.group(1)
     write = method in ("PUT", "PATCH", "DELETE") or (
         method == "POST" and not _READ_POSTS.search(endpoint)
     )
@@ -132,7 +132,7 @@ def _record_identity(response: Any) -> Any:
     m = _API.match(request.path)
     if response.status_code != 200 or auth is None or m is None or request.method != "POST":
         return response
-    endpoint = m.group(2)
+    endpoint = m.group(1)
     if endpoint == "model-versions/create":
         mv = json.loads(response.get_data(as_text=True)).get("model_version", {})
         _tag(mv.get("name"), mv.get("version"), "registered_by", auth.username)
