@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from grpo.config import load_config  # noqa: E402
+from grpo.engine.distributed import finish_distributed  # noqa: E402
 from grpo.engine.deepspeed_setup import save_policy  # noqa: E402
 from grpo.engine.loop import Trainer  # noqa: E402
 from tests.helpers import fixed_rollout, per_token  # noqa: E402
@@ -28,6 +29,7 @@ def main() -> None:
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     for i in range(0, len(args), 3):
         update_once(*args[i : i + 3])
+    finish_distributed()  # as the worker does: a rank exiting with the group alive can abort
 
 
 def update_once(cfg_path: str, base: str, out: str) -> None:
