@@ -338,6 +338,25 @@ def _reuse_evaluation(src: Path, out: Path, model: str, same: str) -> dict[str, 
     return report
 
 
+def plan_evaluations(digests: dict[str, str], sampled: tuple[str, ...]) -> dict[str, str | None]:
+    """Which models to evaluate and which reuse another's evaluation: label -> None (evaluate
+    it) or the label whose evaluation it copies (the same weights: greedy decoding and the
+    seeded sampling give the same completions). The `sampled` models (with pass@k) come first,
+    so a model with the same weights as one of them reuses its evaluation, pass@k included; a
+    sampled model never reuses an evaluation without pass@k. Evaluated labels keep this order:
+    the sampled, longest, first."""
+    plan: dict[str, str | None] = {}
+    first: dict[str, str] = {}  # digest -> the label evaluated for it
+    for label in sorted(digests, key=lambda m: m not in sampled):
+        same = first.get(digests[label])
+        if same is not None and (same in sampled or label not in sampled):
+            plan[label] = same
+        else:
+            plan[label] = None
+            first.setdefault(digests[label], label)
+    return plan
+
+
 @task(name="evaluate")
 def evaluate(cfg: Config, parent_id: str, models: dict[str, str], run_dir: Path) -> dict:
     """Every model on the same held-out problems; paired differences against the reference."""
@@ -345,34 +364,35 @@ def evaluate(cfg: Config, parent_id: str, models: dict[str, str], run_dir: Path)
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
     from grpo.eval.metrics import comparison, markdown_rows
-    from grpo.eval.run import evaluate_model
+    from grpo.eval.run import evaluate_models
 
     with stage_run(cfg, parent_id, "evaluate") as run_id:
         c = tracking.client(cfg)
-        reports, samples = {}, {}
-        evaluated: dict[str, str] = {}  # model digest -> the label whose evaluation it got
-        # the two compared models first: a reference or last step with the same weights as one
-        # of them then reuses its evaluation, sampled pass@k included
-        for label in sorted(models, key=lambda m: m not in PASS_K_MODELS):
-            path, out = models[label], run_dir / "eval" / label
-            digest = model_digest(path)
-            same = evaluated.get(digest)
-            if same is not None and (same in PASS_K_MODELS or label not in PASS_K_MODELS):
-                reports[label] = _reuse_evaluation(run_dir / "eval" / same, out, path, same)
+        plan = plan_evaluations({m: model_digest(p) for m, p in models.items()}, PASS_K_MODELS)
+        jobs = {
+            # sampled pass@k for the two models compared (k samples cost k greedy
+            # evaluations): not for the reference (the selection split's is measured before
+            # training), the last steps or the champion
+            label: dict(model_dir=models[label], sets=cfg.eval.sets,
+                        out_dir=str(run_dir / "eval" / label), samples=cfg.eval.samples,
+                        limit=cfg.eval.limit, progress=True,
+                        pass_k=None if label in PASS_K_MODELS else 0)
+            for label, same in plan.items() if same is None
+        }  # fmt: skip
+        print(f"evaluating {', '.join(jobs)}"
+              + (f", {cfg.eval.workers} at a time" if cfg.eval.workers > 1 else "")
+              + (f" (pass@{cfg.eval.pass_k} for {', '.join(m for m in jobs if m in PASS_K_MODELS)})"
+                 if cfg.eval.pass_k and cfg.eval.samples == 1 else ""), flush=True)  # fmt: skip
+        reports = evaluate_models(cfg, jobs, cfg.eval.workers)
+        samples = {}
+        for label, same in plan.items():
+            out = run_dir / "eval" / label
+            if same is not None:
+                reports[label] = _reuse_evaluation(run_dir / "eval" / same, out, models[label],
+                                                   same)  # fmt: skip
                 print(f"{label}: the same weights as {same}, its evaluation reused")
-            else:
-                # sampled pass@k for the two models compared (k samples cost k greedy
-                # evaluations): not for the reference (the selection split's is measured before
-                # training), the last steps or the champion
-                sampled = label in PASS_K_MODELS and cfg.eval.pass_k > 0 and cfg.eval.samples == 1
-                print(f"evaluating {label}" + (f", with {cfg.eval.pass_k} samples a problem"
-                      if sampled else ""), flush=True)  # fmt: skip
-                reports[label] = evaluate_model(
-                    cfg, path, cfg.eval.sets, str(out), samples=cfg.eval.samples,
-                    limit=cfg.eval.limit, progress=True,
-                    pass_k=None if label in PASS_K_MODELS else 0,
-                )  # fmt: skip
-                evaluated.setdefault(digest, label)
+        for label in models:  # logged in the caller's order
+            out = run_dir / "eval" / label
             samples[label] = tracking.read_jsonl(out / "samples.jsonl")
             tracking.log_evaluation(cfg, run_id, reports[label], out, prefix=f"{label}/",
                                     metrics=False)  # fmt: skip

@@ -228,6 +228,12 @@ class EvalConfig(Strict):
     batch_size: int = Field(256, gt=0)
     max_new_tokens: int | None = Field(None, gt=0, description="None: max_completion_length")
     few_shot: int = Field(0, ge=0, description="worked SFT examples placed before each prompt")
+    workers: int = Field(
+        1, ge=1, le=64,
+        description="models the pipeline evaluates at once, each in its own process with an "
+        "equal share of the threads: on CPU one generation loop a core does more than one loop "
+        "over every core (small matmuls, Python between tokens)",
+    )  # fmt: skip
 
 
 class TrackingConfig(Strict):

@@ -45,6 +45,7 @@ def generate_for_rows(
     max_new_tokens: int | None = None,
     seed: int = 0,
     progress: bool = False,
+    bar_label: str = "evaluate",
 ) -> list[dict[str, Any]]:
     """One record per (row, sample): id, sample, prompt, completion, extracted, gold, correct."""
     max_new = max_new_tokens or cfg.grpo.max_completion_length
@@ -52,7 +53,7 @@ def generate_for_rows(
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]["prompt"]))
     per_batch = max(1, batch_size // samples)
     records: list[dict[str, Any]] = []
-    bar = progress_bar(len(rows), "evaluate", "problem", enabled=progress)
+    bar = progress_bar(len(rows), bar_label, "problem", enabled=progress)
     for b, start in enumerate(range(0, len(order), per_batch)):
         idx = order[start : start + per_batch]
         batch = [rows[i] for i in idx]
@@ -101,6 +102,7 @@ def evaluate_model(
     progress: bool = True,
     base: str | None = None,
     pass_k: int | None = None,
+    bar_label: str = "evaluate",
 ) -> dict[str, Any]:
     """Evaluate a model directory on named sets; writes report.json, samples.jsonl, report.md.
 
@@ -117,6 +119,7 @@ def evaluate_model(
         pass_k: sampled completions per problem at grpo.temperature beside the greedy one, for
             sampled_pass@k and sampled_maj@k on the first set's first eval.pass_k_limit problems
             (default: eval.pass_k; their records go to samples_sampled.jsonl).
+        bar_label: the progress bar's name.
     """
     from grpo.models import lora
     from grpo.models.loading import device_for, load_model, load_tokenizer
@@ -145,7 +148,7 @@ def evaluate_model(
         recs = generate_for_rows(
             model, tok, rows, cfg, device, samples=samples, temperature=cfg.eval.temperature,
             batch_size=cfg.eval.batch_size, max_new_tokens=cfg.eval.max_new_tokens,
-            seed=cfg.seed, progress=progress,
+            seed=cfg.seed, progress=progress, bar_label=bar_label,
         )  # fmt: skip
         for r in recs:
             r["set"] = name
@@ -156,6 +159,7 @@ def evaluate_model(
                 model, tok, rows[: cfg.eval.pass_k_limit], cfg, device, samples=k,
                 temperature=cfg.grpo.temperature, batch_size=cfg.eval.batch_size,
                 max_new_tokens=cfg.eval.max_new_tokens, seed=cfg.seed + 1, progress=progress,
+                bar_label=f"{bar_label} (pass@{k})",
             )  # fmt: skip
             for r in sampled:
                 r["set"] = name
@@ -186,6 +190,46 @@ def evaluate_model(
                 f.write(json.dumps(r) + "\n")
     (out / "report.md").write_text(markdown_table(report))
     return report
+
+
+def evaluate_models(
+    cfg: Config, jobs: dict[str, dict[str, Any]], workers: int = 1
+) -> dict[str, dict[str, Any]]:
+    """Several models' evaluate_model, in the order given, `workers` at a time.
+
+    Args:
+        cfg: the run's config.
+        jobs: label -> evaluate_model's keyword arguments (model_dir, sets, out_dir, ...); put
+            the longest first, so that the shorter ones fill in beside them.
+        workers: models evaluated at once. Above 1 each runs in a process of its own with this
+            process's threads shared out equally (at least one each): the processes compute
+            the same completions, and two single-thread generation loops on two cores do more
+            than one loop on both (benchmarks/REAL_MODEL.md).
+
+    Returns: label -> report, in the order of `jobs`.
+    """
+    if workers == 1 or len(jobs) == 1:
+        return {label: evaluate_model(cfg, **kw, bar_label=label) for label, kw in jobs.items()}
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    threads = max(1, torch.get_num_threads() // workers)
+    ctx = multiprocessing.get_context("spawn")  # no forked copy of a parent's torch threads
+    with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=ctx) as pool:
+        futures = {
+            label: pool.submit(_evaluate_on_threads, threads, cfg, {**kw, "bar_label": label})
+            for label, kw in jobs.items()
+        }
+        try:
+            return {label: f.result() for label, f in futures.items()}
+        except BaseException:  # one failed (or Ctrl-C): the queued ones do not start
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+
+
+def _evaluate_on_threads(threads: int, cfg: Config, kw: dict[str, Any]) -> dict[str, Any]:
+    torch.set_num_threads(threads)
+    return evaluate_model(cfg, **kw)
 
 
 def few_shot_prefix(cfg: Config) -> str:

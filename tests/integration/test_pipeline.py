@@ -725,7 +725,9 @@ def _compare_the_two_nights(c, tmp: Path, name: str, first: dict, second: dict) 
 def test_the_evaluate_stage_evaluates_the_same_weights_once(store, tmp_path):
     """A checkpoint selection often picks the reference (step 0) or the last step: the stage
     evaluates those weights once and reuses the evaluation, which is what evaluating again
-    gives (greedy and seeded sampling on the same weights)."""
+    gives (greedy and seeded sampling on the same weights). The two evaluated models run at
+    once in processes of their own (eval.workers=2), each on one thread: their completions are
+    those of one evaluation in this process on all its threads."""
     import shutil
 
     from prefect import flow
@@ -734,7 +736,8 @@ def test_the_evaluate_stage_evaluates_the_same_weights_once(store, tmp_path):
     from grpo.launch.paths import base_model_dir, model_digest
     from tasks import stages, tracking
 
-    cfg = small_config(tmp_path, "eval.limit=12", "eval.pass_k=2", "eval.pass_k_limit=5")
+    cfg = small_config(tmp_path, "eval.limit=12", "eval.pass_k=2", "eval.pass_k_limit=5",
+                       "eval.workers=2")  # fmt: skip
     model = base_model_dir(cfg)
     same = shutil.copytree(model, tmp_path / "selected")
     (same / "selection_summary.json").write_text("{}")  # beside the weights, not a model file

@@ -18,8 +18,8 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from grpo.config import load_config  # noqa: E402
-from grpo.engine.distributed import finish_distributed  # noqa: E402
 from grpo.engine.deepspeed_setup import save_policy  # noqa: E402
+from grpo.engine.distributed import finish_distributed  # noqa: E402
 from grpo.engine.loop import Trainer  # noqa: E402
 from tests.helpers import fixed_rollout, per_token  # noqa: E402
 
