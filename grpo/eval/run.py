@@ -202,34 +202,38 @@ def evaluate_models(
         jobs: label -> evaluate_model's keyword arguments (model_dir, sets, out_dir, ...); put
             the longest first, so that the shorter ones fill in beside them.
         workers: models evaluated at once. Above 1 each runs in a process of its own with this
-            process's threads shared out equally (at least one each): the processes compute
-            the same completions, and two single-thread generation loops on two cores do more
-            than one loop on both (benchmarks/REAL_MODEL.md).
+            process's threads shared out equally (at least one each): two single-thread
+            generation loops on two cores do more than one loop on both, and gave the same
+            completions where measured (benchmarks/REAL_MODEL.md); a different thread count
+            may change a matmul's summation order on another CPU.
 
     Returns: label -> report, in the order of `jobs`.
     """
     if workers == 1 or len(jobs) == 1:
         return {label: evaluate_model(cfg, **kw, bar_label=label) for label, kw in jobs.items()}
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
 
     threads = max(1, torch.get_num_threads() // workers)
     ctx = multiprocessing.get_context("spawn")  # no forked copy of a parent's torch threads
-    with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=ctx) as pool:
-        futures = {
-            label: pool.submit(_evaluate_on_threads, threads, cfg, {**kw, "bar_label": label})
+    # leaving the block terminates the pool: a failed evaluation (or Ctrl-C) stops the others
+    with ctx.Pool(min(workers, len(jobs))) as pool:
+        pending = {
+            label: pool.apply_async(_evaluate_on_threads, (threads, cfg, label, kw))
             for label, kw in jobs.items()
         }
-        try:
-            return {label: f.result() for label, f in futures.items()}
-        except BaseException:  # one failed (or Ctrl-C): the queued ones do not start
-            pool.shutdown(wait=False, cancel_futures=True)
-            raise
+        while waiting := [r for r in pending.values() if not r.ready()]:
+            for r in pending.values():
+                if r.ready() and not r.successful():
+                    r.get()  # raises that evaluation's error, not after the others finish
+            waiting[0].wait(0.5)
+        return {label: r.get() for label, r in pending.items()}
 
 
-def _evaluate_on_threads(threads: int, cfg: Config, kw: dict[str, Any]) -> dict[str, Any]:
+def _evaluate_on_threads(
+    threads: int, cfg: Config, label: str, kw: dict[str, Any]
+) -> dict[str, Any]:
     torch.set_num_threads(threads)
-    return evaluate_model(cfg, **kw)
+    return evaluate_model(cfg, **kw, bar_label=label)
 
 
 def few_shot_prefix(cfg: Config) -> str:

@@ -781,6 +781,30 @@ def test_the_evaluate_stage_evaluates_the_same_weights_once(store, tmp_path):
             tmp_path / "run" / "eval" / "reference" / name).read_text()  # fmt: skip
 
 
+def test_a_failed_evaluation_among_workers_stops_the_others_with_its_error(tmp_path):
+    """eval.workers=2: one model's evaluation fails at once (no such directory); the error is
+    its own, one line naming the directory, and the model beside it is not waited for."""
+    import time
+
+    from grpo.eval.run import evaluate_models
+    from grpo.launch.paths import base_model_dir
+    from grpo.models.loading import ModelDirError
+
+    cfg = small_config(tmp_path, "eval.workers=2")
+    missing = tmp_path / "no-such-model"
+    jobs = {
+        "grpo": dict(model_dir=str(base_model_dir(cfg)), sets=cfg.eval.sets,
+                     out_dir=str(tmp_path / "a"), progress=False, pass_k=32),  # minutes
+        "reference": dict(model_dir=str(missing), sets=cfg.eval.sets,
+                          out_dir=str(tmp_path / "b"), progress=False),
+    }  # fmt: skip
+    t = time.monotonic()
+    with pytest.raises(ModelDirError, match=f"^{missing}: model directory not found$"):
+        evaluate_models(cfg, jobs, cfg.eval.workers)
+    assert not (tmp_path / "a" / "report.json").exists()  # stopped, not finished
+    assert time.monotonic() - t < 60
+
+
 def test_failing_validation_stops_before_training(store, tmp_path):
     from mlflow import MlflowClient
 

@@ -155,9 +155,12 @@ def _account(s: Served, tmp: Path, name: str, role: str) -> dict[str, str]:
 def _roles_hold(s: Served, tmp: Path, mv) -> None:  # noqa: ANN001
     """The remote worker's trainer account registered the version but could not move
     @champion; an approver's `grpo promote` does, and the server records both names. Readers
-    read and nothing else; trainers cannot move or delete what an approver guards."""
+    read and nothing else; trainers cannot move or delete what an approver guards. An artifact
+    upload is served by MLflow's FastAPI routes, not the Flask app the role check wraps: MLflow's
+    own grants (a reader has READ) refuse it there."""
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
+    from requests import HTTPError
 
     c = MlflowClient(s.tracking, s.tracking)  # admin (the test's environment)
     assert mv.tags["registered_by"] == "remote-trainer"
@@ -181,6 +184,8 @@ def _roles_hold(s: Served, tmp: Path, mv) -> None:  # noqa: ANN001
                 call(MlflowClient(s.tracking, s.tracking))
             except MlflowException as e:
                 return e.error_code
+            except HTTPError as e:  # the artifact client's error: the status says it
+                return {403: "PERMISSION_DENIED"}.get(e.response.status_code, str(e))
         return "OK"
 
     name, v = "serve-tls", mv.version
@@ -190,9 +195,12 @@ def _roles_hold(s: Served, tmp: Path, mv) -> None:  # noqa: ANN001
         "set @challenger": lambda m: m.set_registered_model_alias(name, "challenger", v),
         "set @champion": lambda m: m.set_registered_model_alias(name, "champion", v),
         "delete the version": lambda m: m.delete_model_version(name, "999"),
+        "log a metric": lambda m: m.log_metric(mv.run_id, "role_check", 1.0),
+        "upload an artifact": lambda m: m.log_text(mv.run_id, "x", "role_check.txt"),
     }
     may = {"viewer": set(), "remote-trainer": {"create experiment", "tag the version",
-                                               "set @challenger"}}  # fmt: skip
+                                               "set @challenger", "log a metric",
+                                               "upload an artifact"}}  # fmt: skip
     for who, account in (("viewer", reader), ("remote-trainer", trainer)):
         assert attempt(account, lambda m: m.search_experiments()) == "OK"
         for what, call in writes.items():
