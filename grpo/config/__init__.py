@@ -84,6 +84,8 @@ def switched_off_error(cfg: Config) -> str | None:
          "grpo.eval_every > 0 (the selection's cadence)"),
         ("soft_overlong" not in g.reward_funcs, _changed(g, {"overlong_cache"}), "grpo",
          "soft_overlong in grpo.reward_funcs"),
+        (not g.async_rollouts, _changed(g, {"max_staleness", "sampler_threads"}), "grpo",
+         "grpo.async_rollouts=true"),
         (not g.rollout_correction, _changed(g, {"rollout_correction_level",
          "rollout_correction_mode", "rollout_correction_threshold"}), "grpo",
          "grpo.rollout_correction=true"),
@@ -138,6 +140,12 @@ class Config(Strict):
                 "base weights that every LoRA forward needs whole (and the fast sampler merges "
                 "adapters into them); LoRA's trainable and optimizer state is small, so use "
                 "zero_stage 0 or 2"
+            )
+        if self.grpo.async_rollouts and self.deepspeed.zero_stage == 3:
+            raise ValueError(
+                "grpo.async_rollouts with deepspeed.zero_stage 3 is refused: the sampler process "
+                "needs the whole weights after every update, which ZeRO-3 shards; use zero_stage "
+                "0, 1 or 2"
             )
         if self.eval.pass_k and self.eval.samples > 1:
             raise ValueError(

@@ -102,6 +102,24 @@ class GRPOConfig(Strict):
         2.0, gt=1, description="C: the largest importance weight kept (TRL's cap, verl's "
         "rollout_is_threshold)",
     )  # fmt: skip
+    async_rollouts: bool = Field(
+        False,
+        description="sample in a process of its own, max_staleness steps ahead of the learner, "
+        "while it updates (verl's one-step-off, TRL's AsyncGRPOTrainer); turns "
+        "rollout_correction on unless it is set",
+    )
+    max_staleness: int = Field(
+        1,
+        ge=1,
+        description="async_rollouts: each step trains on groups sampled with the weights of "
+        "exactly this many updates before (fewer in the first steps); TRL's max_staleness",
+    )
+    sampler_threads: int = Field(
+        0,
+        ge=0,
+        description="async_rollouts: CPU threads of the sampler process; 0: half of the "
+        "rank's threads, at least 1 (the learner keeps the rest)",
+    )
     micro_batch_size: int = Field(
         256, gt=0, description="completions per forward/backward (256: one per step on CPU)"
     )
@@ -223,6 +241,9 @@ class GRPOConfig(Strict):
                 f"{self.prompts_per_step * self.num_generations:,} completions a step, more "
                 f"than {MAX_BATCH:,}"
             )
+        if self.async_rollouts and "rollout_correction" not in self.model_fields_set:
+            # stale rollouts are off-policy: corrected unless the user says otherwise
+            object.__setattr__(self, "rollout_correction", True)
         if self.rollout_correction and self.mu > 1 and self.old_logprobs == "sampler":
             raise ValueError(
                 "rollout_correction with old_logprobs sampler: pi_old is then the sampler's "

@@ -17,6 +17,9 @@ import torch
 from reward_fns.errors import UserError
 
 CLIENT_KEYS = ("step", "rng")  # the training order is a function of the step alone
+# what a rank holds beyond the engine's state (asynchronous rollouts sampled ahead of the
+# step), one file per rank: DeepSpeed's client state is written by rank 0 alone
+RANK_STATE = "rank{rank}_state.pt"
 
 
 def rng_state() -> dict[str, Any]:
@@ -43,7 +46,12 @@ def latest_tag(root: Path) -> str | None:
     return tag if (root / tag).is_dir() else None
 
 
-def save(engine: Any, root: Path, step: int, client: dict[str, Any], rank: int, keep: int) -> str:
+def save(
+    engine: Any, root: Path, step: int, client: dict[str, Any], rank: int, keep: int,
+    rank_state: Any = None,
+) -> str:  # fmt: skip
+    """Write a checkpoint of `step` under root; rank_state (this rank's own, or None) is saved
+    beside the engine's and given back by load_rank_state."""
     import torch.distributed as dist
 
     tag = f"step{step:07d}"
@@ -57,6 +65,8 @@ def save(engine: Any, root: Path, step: int, client: dict[str, Any], rank: int, 
     except (OSError, RuntimeError) as e:  # torch's zip writer reports a short write as Runtime
         shutil.rmtree(root / tmp, ignore_errors=True)
         raise CheckpointWriteError(write_failure(root, step, e)) from e
+    if rank_state is not None:
+        torch.save(rank_state, root / tmp / RANK_STATE.format(rank=rank))
     dist.barrier()
     if rank == 0:
         if (root / tag).exists():
@@ -106,3 +116,12 @@ def load(engine: Any, root: Path) -> dict[str, Any] | None:
         raise RuntimeError(f"{root / tag}: checkpoint could not be loaded")
     # DeepSpeed returns its own bookkeeping too; hand back only what we stored
     return {k: client[k] for k in CLIENT_KEYS if k in client}
+
+
+def load_rank_state(root: Path, rank: int) -> Any:
+    """This rank's state saved with the latest checkpoint, or None when it saved none."""
+    tag = latest_tag(root)
+    path = root / tag / RANK_STATE.format(rank=rank) if tag else None
+    if path is None or not path.exists():
+        return None
+    return torch.load(path, weights_only=False)

@@ -23,6 +23,7 @@ import torch
 
 from grpo.config import Config, prompts_split_error
 from grpo.data.sets import eval_set, training_sets
+from grpo.engine.async_rollouts import AsyncRollouts, split_threads
 from grpo.engine.deepspeed_setup import build_engine, gathered, save_policy
 from grpo.engine.distributed import all_reduce_sum, init_distributed
 from grpo.engine.reference import Reference
@@ -66,6 +67,13 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.seed)
         self.tok = load_tokenizer(policy_dir)
+        self.policy_dir = policy_dir
+        self.rollouts: AsyncRollouts | None = None
+        self.sampler_threads = 0
+        if g.async_rollouts:  # the sampler process takes its share of the rank's threads
+            learner, self.sampler_threads = split_threads(torch.get_num_threads(),
+                                                          g.sampler_threads)  # fmt: skip
+            torch.set_num_threads(learner)
         # a hostfile or launcher can start other ranks than deepspeed.nproc said
         if error := prompts_split_error(g.prompts_per_step, self.world, "the world size"):
             raise ValueError(error)
@@ -134,27 +142,18 @@ class Trainer:
             acc = self.heldout_accuracy()
             self.files.log_metrics({"step": 0, self.eval_key: acc})
             self._select(0, acc)
-        t_start, last = time.time(), {}
-        for step in range(start, g.steps):
-            m = self.step(step)
-            # the selection also sees the last step, whatever eval_every
-            due = (step + 1) % g.eval_every == 0 if g.eval_every else False
-            if due or (self.selection is not None and step + 1 == g.steps):
-                m[self.eval_key] = self.heldout_accuracy()
-                self._select(step + 1, m[self.eval_key])
-            # a checkpoint with an in-run accuracy becomes a model of the run (not the last:
-            # that is policy/, logged as the run's model)
-            evaluated = bool(self.eval_rows) and self.eval_key in m
-            self.files.log_metrics(m)
-            if (step + 1) % g.checkpoint_every == 0 or step + 1 == g.steps:
-                self.files.save_checkpoint(self.engine, step + 1)
-                if evaluated and g.checkpoint_models and step + 1 < g.steps:
-                    self.files.save_snapshot(self.engine, self.tok, step + 1,
-                                             self.cfg.deepspeed.zero_stage)  # fmt: skip
-            report(step + 1, g.steps, False)
-            bar.update(1)
-            bar.set_postfix(reward=f"{m['reward']:.3f}", kl=f"{m.get('kl', 0):.4f}", refresh=False)
-            last = m
+        t_start = time.time()
+        if g.async_rollouts:
+            self.rollouts = AsyncRollouts(
+                self.cfg, self.policy_dir, self.engine.module, rank=self.rank, world=self.world,
+                threads=self.sampler_threads, start=start,
+                ahead=self.files.rank_state() if start else None,
+            )  # fmt: skip
+        try:
+            last = self._steps(start, bar, report)
+        finally:
+            if self.rollouts is not None:
+                self.rollouts.close()
         bar.close()
         self.files.close()
         report(g.steps, g.steps, True)  # a control running beside this run stops here
@@ -180,6 +179,32 @@ class Trainer:
             )
         return summary
 
+    def _steps(self, start: int, bar: Any, report: Callable[..., None]) -> dict[str, float]:
+        """Steps start..grpo.steps with their evaluations and checkpoints; the last metrics."""
+        g, last = self.cfg.grpo, {}
+        for step in range(start, g.steps):
+            m = self.step(step)
+            # the selection also sees the last step, whatever eval_every
+            due = (step + 1) % g.eval_every == 0 if g.eval_every else False
+            if due or (self.selection is not None and step + 1 == g.steps):
+                m[self.eval_key] = self.heldout_accuracy()
+                self._select(step + 1, m[self.eval_key])
+            # a checkpoint with an in-run accuracy becomes a model of the run (not the last:
+            # that is policy/, logged as the run's model)
+            evaluated = bool(self.eval_rows) and self.eval_key in m
+            self.files.log_metrics(m)
+            if (step + 1) % g.checkpoint_every == 0 or step + 1 == g.steps:
+                ahead = self.rollouts.ahead() if self.rollouts is not None else None
+                self.files.save_checkpoint(self.engine, step + 1, ahead)
+                if evaluated and g.checkpoint_models and step + 1 < g.steps:
+                    self.files.save_snapshot(self.engine, self.tok, step + 1,
+                                             self.cfg.deepspeed.zero_stage)  # fmt: skip
+            report(step + 1, g.steps, False)
+            bar.update(1)
+            bar.set_postfix(reward=f"{m['reward']:.3f}", kl=f"{m.get('kl', 0):.4f}", refresh=False)
+            last = m
+        return last
+
     def _select(self, step: int, accuracy: float) -> None:
         """Record a selection-split accuracy; a new best's weights go to best/."""
         if self.selection is None:
@@ -195,11 +220,15 @@ class Trainer:
         """One GRPO step on this rank; returns its metrics (reduced over ranks)."""
         g = self.cfg.grpo
         t0 = time.time()
-        # 1-2. sample G completions for each of this rank's prompts, scoring each round
-        sampled = sample_step(
-            self.engine.module, self.tok, self.cfg, self.train_rows, self.scorer, step=step,
-            rank=self.rank, world=self.world, device=self.device, eos_ids=self.eos_ids,
-        )  # fmt: skip
+        # 1-2. sample G completions for each of this rank's prompts, scoring each round (with
+        # async rollouts, sampled ahead by the sampler process: here only waited for)
+        if self.rollouts is not None:
+            sampled, reward_metrics, staleness = self.rollouts.get(step, self.engine.module)
+        else:
+            sampled = sample_step(
+                self.engine.module, self.tok, self.cfg, self.train_rows, self.scorer, step=step,
+                rank=self.rank, world=self.world, device=self.device, eos_ids=self.eos_ids,
+            )  # fmt: skip
         t1 = time.time()
         # dynamic sampling keeps informative groups first
         ro, scores, texts, completion_rows = keep_groups(sampled, self.local_prompts, g)
@@ -217,7 +246,11 @@ class Trainer:
             before = rollout_metrics(sampled.rollout, sampled.scores.rewards, {}, self.device)
             m.update({f"sampled/{k}": v for k, v in before.items()})
             m["sampling/rounds"] = all_reduce_sum([sampled.rounds], self.device)[0] / self.world
-        m.update(self.scorer.take_metrics())
+        if self.rollouts is not None:
+            m.update(reward_metrics)
+            m["async/staleness"] = float(staleness)
+        else:
+            m.update(self.scorer.take_metrics())
         n_tok = all_reduce_sum([float(ro.completion_mask.sum())], self.device)[0]
         n_sampled = all_reduce_sum([len(sampled.texts)], self.device)[0]
         m.update({

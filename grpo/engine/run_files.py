@@ -63,9 +63,14 @@ class RunFiles:
             self._samples.write(json.dumps(rec, default=str) + "\n")
         self._samples.flush()
 
-    def save_checkpoint(self, engine: Any, step: int) -> None:
+    def save_checkpoint(self, engine: Any, step: int, rank_state: Any = None) -> None:
+        """Engine, step and RNG states; rank_state: this rank's own (rollouts sampled ahead)."""
         client = {"step": step, "rng": checkpoint.rng_state()}
-        checkpoint.save(engine, self.ckpt_root, step, client, self.rank, self.keep)
+        checkpoint.save(engine, self.ckpt_root, step, client, self.rank, self.keep, rank_state)
+
+    def rank_state(self) -> Any:
+        """The rank_state saved with the checkpoint `open` resumed from (None if none)."""
+        return checkpoint.load_rank_state(self.ckpt_root, self.rank)
 
     def save_snapshot(self, engine: Any, tok: Any, step: int, zero_stage: int) -> None:
         """The policy at `step` as a model directory (snapshots/step-NNNNNN), for MLflow to log

@@ -50,13 +50,15 @@ def sample_step(
     world: int,
     device: torch.device,
     eos_ids: list[int],
+    alone: bool = False,
 ) -> Sampled:
     """This rank's prompts of `step`, G completions each, scored as they come.
 
     With dynamic sampling, rounds of fresh prompts follow until this rank holds as many
     informative groups (rewards not all equal) as it has prompts, or grpo.max_sampling_rounds
     is reached. With several ranks the decision is collective (a round runs while any rank
-    still needs groups), because ZeRO-3 gathers parameters collectively in every round.
+    still needs groups), because ZeRO-3 gathers parameters collectively in every round;
+    `alone` (a sampler process, outside the ranks' process group) decides for this rank only.
     """
     g = cfg.grpo
     local = g.prompts_per_step // world
@@ -87,7 +89,7 @@ def sample_step(
         if rnd + 1 == rounds:  # no round left: whether more are needed does not matter
             break
         informative += int((~flat_groups(g, sc.rewards, round_texts, rows, ro.group_size)).sum())
-        if not _needs_more(informative < local, world, device):
+        if not _needs_more(informative < local, 1 if alone else world, device):
             break
         rows = rng.sample(train_rows, local)
     return Sampled(

@@ -1,0 +1,87 @@
+"""grpo.async_rollouts end to end, in the test process: the sampler process samples ahead with
+weights exactly max_staleness updates old, a run stopped by Ctrl-C ends its sampler and resumes
+bit-identically, and a killed sampler ends the run in one line."""
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from grpo.engine.async_rollouts import RolloutSamplerError
+from grpo.engine.loop import Trainer
+from grpo.launch.paths import base_model_dir
+from tests.helpers import small_config
+
+pytestmark = pytest.mark.slow
+
+DOC = "tests.trl_doc_rewards"
+# completion lengths differ within a group: every group has something to learn; uses_everything
+# logs a metric from the sampler process
+FAST = ("grpo.lr=0.01", "grpo.warmup_steps=0", "grpo.lr_schedule=constant",
+        f"grpo.reward_funcs=[{DOC}:reward_len, {DOC}:uses_everything]")  # fmt: skip
+TIMES = ("time/", "step_time", "tokens_per_second", "completions_per_second")
+
+
+@pytest.fixture
+def threads():
+    """The Trainer gives the sampler half of this process's threads; the next test gets all."""
+    n = torch.get_num_threads()
+    yield n
+    torch.set_num_threads(n)
+
+
+def _metrics(out):
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").open()]
+    return [{k: v for k, v in r.items() if not k.startswith(TIMES)} for r in rows]
+
+
+def test_async_steps_are_exactly_k_stale_and_a_stopped_run_resumes_bit_identically(
+    tmp_path, threads
+):
+    cfg = small_config(tmp_path, "grpo.async_rollouts=true", "grpo.max_staleness=2",
+                       "grpo.steps=4", "grpo.checkpoint_every=2", *FAST)  # fmt: skip
+    base = base_model_dir(cfg)
+    Trainer(cfg, base, tmp_path / "whole").train(progress=False)
+    rows = _metrics(tmp_path / "whole")
+    # step s is sampled with the weights of max(0, s - 2) updates
+    assert [r["async/staleness"] for r in rows] == [0.0, 1.0, 2.0, 2.0]
+    # the first step's sampler had the learner's own weights (the gap is numerics only); the
+    # last one's were two updates old at lr 0.01, and the correction weighted them
+    assert rows[0]["logprob_gap/mean"] < 1e-4 < rows[3]["logprob_gap/mean"]
+    assert all("rollout_correction/weight_mean" in r for r in rows)
+    # what the reward functions logged in the sampler process reaches the learner's metrics
+    assert [r["my_metric"] for r in rows] == [0.5, 1.5, 2.5, 3.5]
+
+    def interrupt(done: int, _steps: int, _finished: bool) -> None:
+        if done == 2:  # after step 2's checkpoint, which holds steps 3 and 4 sampled ahead
+            raise KeyboardInterrupt
+
+    cut = Trainer(cfg, base, tmp_path / "cut")
+    with pytest.raises(KeyboardInterrupt):
+        cut.train(progress=False, on_step=interrupt)
+    assert cut.rollouts is not None and not cut.rollouts.proc.is_alive()
+    Trainer(cfg, base, tmp_path / "cut").train(resume=True, progress=False)
+    whole = load_file(tmp_path / "whole" / "policy" / "model.safetensors")
+    resumed = load_file(tmp_path / "cut" / "policy" / "model.safetensors")
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    assert _metrics(tmp_path / "cut") == rows
+
+
+def test_a_killed_sampler_ends_the_run_in_one_line(tmp_path, threads):
+    # transformers' generate() as the sampler's engine (the other test uses the fast one)
+    cfg = small_config(tmp_path, "grpo.async_rollouts=true", "grpo.steps=4",
+                       "model.generation_engine=hf")  # fmt: skip
+    t = Trainer(cfg, base_model_dir(cfg), tmp_path / "grpo")
+
+    def kill(done: int, _steps: int, _finished: bool) -> None:
+        if done == 1:
+            os.kill(t.rollouts.proc.pid, signal.SIGKILL)
+
+    with pytest.raises(RolloutSamplerError) as e:
+        t.train(progress=False, on_step=kill)
+    msg = str(e.value)
+    assert len(msg.splitlines()) == 1, msg
+    assert "died with exit code -9" in msg and "--resume" in msg, msg
