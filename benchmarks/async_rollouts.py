@@ -5,12 +5,17 @@ speed: `grpo train` at a config's shape, synchronous and asynchronous runs alter
 first step (the first has nothing to overlap), the whole command's wall time, and where a step's
 time goes (learner waiting for the sampler, the update, the sampler's own sampling time).
 
+sampler: the fast sampler in float32 and in int8 (grpo.sampler_dtype) on one batch of the
+config's training prompts at one thread: time of the whole sampling call (alternated, medians)
+and the int8 sampler's log-prob gap to the float32 training forward of the same tokens.
+
 learning: the default tiny task from its SFT reference, synchronous and asynchronous GRPO per
 seed for the config's steps, each evaluated greedy on the held-out set, with the paired
 difference (async - sync) on the same problems.
 
     python benchmarks/async_rollouts.py speed --config configs/smollm2-135m.yaml --steps 6 \
         --repeats 2 --work /tmp/async
+    python benchmarks/async_rollouts.py sampler --config configs/smollm2-135m.yaml --repeats 3
     python benchmarks/async_rollouts.py learning --seeds 0 1 2 --work /tmp/async_tiny
 """
 
@@ -28,7 +33,11 @@ from bench_env import prepare
 
 ROOT = prepare()
 
-MODES = {"sync": [], "async": ["grpo.async_rollouts=true"]}
+MODES = {
+    "sync": [],
+    "async": ["grpo.async_rollouts=true"],
+    "async-int8": ["grpo.async_rollouts=true", "grpo.sampler_dtype=int8"],
+}
 # no in-run evaluation or selection split: the speed of steps alone
 SPEED_SETS = ["grpo.eval_every=0", "data.num_select=0"]
 
@@ -72,9 +81,10 @@ def _policy(cfg_path: str | None, sets: list[str]) -> Path:
 def speed(a: argparse.Namespace) -> None:
     sets = [*SPEED_SETS, f"grpo.steps={a.steps}", f"grpo.checkpoint_every={a.steps}", *a.set]
     policy = _policy(a.config, a.set)
-    runs: dict[str, list[dict]] = {m: [] for m in MODES}
+    runs: dict[str, list[dict]] = {m: [] for m in a.modes}
     for r in range(a.repeats):
-        for mode, extra in MODES.items():
+        for mode in a.modes:
+            extra = MODES[mode]
             out = Path(a.work) / f"{mode}{r}"
             wall = _train(a.config, policy, out, [*sets, *extra])
             rows = _rows(out)[1:]  # the first step has nothing to overlap
@@ -95,11 +105,13 @@ def speed(a: argparse.Namespace) -> None:
         print(f"| {m} | {x['step_s']:.2f} | {3600 / x['step_s']:.0f} | "
               f"{x['completions_per_s']:.2f} | {x['wait_s']:.2f} | {x['update_s']:.2f} | "
               f"{x['sampler_s']:.2f} | {x['wall_s']:.0f} |")  # fmt: skip
-    ratios = [s["step_s"] / x["step_s"] for s, x in zip(runs["sync"], runs["async"], strict=True)]
-    print(
-        f"\nsteps per hour, async / sync, run pair by run pair: "
-        f"{', '.join(f'{r:.2f}x' for r in ratios)} (median {statistics.median(ratios):.2f}x)"
-    )
+    for mode in a.modes[1:]:
+        pairs = zip(runs[a.modes[0]], runs[mode], strict=True)
+        ratios = [s["step_s"] / x["step_s"] for s, x in pairs]
+        print(
+            f"\nsteps per hour, {mode} / {a.modes[0]}, run pair by run pair: "
+            f"{', '.join(f'{r:.2f}x' for r in ratios)} (median {statistics.median(ratios):.2f}x)"
+        )
 
 
 def learning(a: argparse.Namespace) -> None:
@@ -112,30 +124,79 @@ def learning(a: argparse.Namespace) -> None:
         cfg = load_config(a.config, sets)
         policy = _policy(a.config, sets)
         recs, walls = {}, {}
-        for mode, extra in MODES.items():
+        for mode in a.modes:
+            extra = MODES[mode]
             out = Path(a.work) / f"seed{seed}" / mode
             walls[mode] = _train(a.config, policy, out, [*sets, *extra])
             report = out / "eval"
             evaluate_model(cfg, str(out / "policy"), [cfg.eval.sets[0]], str(report))
             recs[mode] = [json.loads(x) for x in (report / "samples.jsonl").open()]
         acc = {m: sum(r["correct"] for r in v) / len(v) for m, v in recs.items()}
-        diff = paired_difference(recs["sync"], recs["async"])
-        print(f"seed {seed}: sync {acc['sync']:.3f} ({walls['sync']:.0f} s), async "
-              f"{acc['async']:.3f} ({walls['async']:.0f} s), async - sync "
-              f"{format_paired(diff)}", flush=True)  # fmt: skip
+        first = a.modes[0]
+        line = f"seed {seed}: {first} {acc[first]:.3f} ({walls[first]:.0f} s)"
+        for m in a.modes[1:]:
+            diff = format_paired(paired_difference(recs[first], recs[m]))
+            line += f"; {m} {acc[m]:.3f} ({walls[m]:.0f} s), {m} - {first} {diff}"
+        print(line, flush=True)
+
+
+def sampler(a: argparse.Namespace) -> None:
+    import torch
+
+    from grpo.config import load_config
+    from grpo.data.sets import training_sets
+    from grpo.models.forward import completion_logprobs
+    from grpo.models.generate import generate
+    from grpo.models.loading import eos_token_ids, load_model, load_tokenizer
+    from grpo.models.prompts import encode_prompts
+
+    torch.set_num_threads(1)  # a sampler process's share of 2 cores
+    cfg = load_config(a.config, a.set)
+    g, path = cfg.grpo, _policy(a.config, a.set)
+    tok, model = load_tokenizer(path), load_model(path, "float32")
+    rows = training_sets(cfg)["train"][: g.prompts_per_step]
+    ids, mask = encode_prompts(tok, [r["prompt"] for r in rows], cfg, torch.device("cpu"))
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for r in range(a.repeats):
+        for int8 in (False, True):
+            torch.manual_seed(0)
+            t = time.time()
+            ro = generate(model, ids, mask, num_generations=g.num_generations,
+                          max_completion_length=g.max_completion_length,
+                          eos_token_id=eos_token_ids(tok, model), pad_token_id=tok.pad_token_id,
+                          temperature=g.temperature, engine="fast", int8=int8)  # fmt: skip
+            times[int8].append(time.time() - t)
+            if r == 0:
+                with torch.no_grad():
+                    lp, _ = completion_logprobs(model, ro.prompt_ids, ro.prompt_mask,
+                                                ro.completion_ids, ro.completion_mask,
+                                                g.temperature)  # fmt: skip
+                m = ro.completion_mask.float()
+                d = (lp - ro.sampling_logps) * m
+                n = m.sum()
+                print(f"{'int8' if int8 else 'float32'}: {int(n)} tokens, mean |log pi - log "
+                      f"mu| {float(d.abs().sum() / n):.4f}, max {float(d.abs().max()):.3f}, "
+                      f"KL k1 {float(-d.sum() / n):.4f}")  # fmt: skip
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"sampling call, 1 thread, medians of {a.repeats}: float32 {med[False]:.2f} s, int8 "
+          f"{med[True]:.2f} s, {med[False] / med[True]:.2f}x")  # fmt: skip
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["speed", "learning"])
+    p.add_argument("what", choices=["speed", "learning", "sampler"])
     p.add_argument("--config", help="default: the embedded tiny run")
     p.add_argument("--set", action="append", default=[], help="config override, KEY=VALUE")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
-    p.add_argument("--work", required=True)
+    p.add_argument("--modes", nargs="+", choices=list(MODES), default=["sync", "async"],
+                   help="the first is the baseline of the ratios and differences")  # fmt: skip
+    p.add_argument("--work", help="where the runs go (speed, learning)")
     a = p.parse_args()
-    (speed if a.what == "speed" else learning)(a)
+    if a.what != "sampler" and not a.work:
+        p.error(f"{a.what} needs --work")
+    {"speed": speed, "learning": learning, "sampler": sampler}[a.what](a)
 
 
 if __name__ == "__main__":

@@ -84,7 +84,8 @@ def switched_off_error(cfg: Config) -> str | None:
          "grpo.eval_every > 0 (the selection's cadence)"),
         ("soft_overlong" not in g.reward_funcs, _changed(g, {"overlong_cache"}), "grpo",
          "soft_overlong in grpo.reward_funcs"),
-        (not g.async_rollouts, _changed(g, {"max_staleness", "sampler_threads"}), "grpo",
+        (not g.async_rollouts, _changed(g, {"max_staleness", "sampler_threads",
+         "sampler_dtype"}), "grpo",
          "grpo.async_rollouts=true"),
         (not g.rollout_correction, _changed(g, {"rollout_correction_level",
          "rollout_correction_mode", "rollout_correction_threshold"}), "grpo",
@@ -146,6 +147,13 @@ class Config(Strict):
                 "grpo.async_rollouts with deepspeed.zero_stage 3 is refused: the sampler process "
                 "needs the whole weights after every update, which ZeRO-3 shards; use zero_stage "
                 "0, 1 or 2"
+            )
+        if self.grpo.sampler_dtype == "int8" and (
+            self.model.generation_engine == "hf" or self.device == "cuda"
+        ):
+            raise ValueError(
+                "grpo.sampler_dtype int8 needs the fast generation engine on the CPU (torch's "
+                "int8 matmuls are CPU kernels); on GPUs use bfloat16"
             )
         if self.eval.pass_k and self.eval.samples > 1:
             raise ValueError(

@@ -114,6 +114,13 @@ class GRPOConfig(Strict):
         description="async_rollouts: each step trains on groups sampled with the weights of "
         "exactly this many updates before (fewer in the first steps); TRL's max_staleness",
     )
+    sampler_dtype: Literal["model", "float32", "bfloat16", "float16", "int8"] = Field(
+        "model",
+        description="async_rollouts: the sampler's weights in this dtype (model: model.dtype); "
+        "int8 (CPU, the fast engine): every matmul's weights in int8, several times faster on "
+        "a CPU core (benchmarks/ASYNC.md); bfloat16 for GPUs (slower on CPUs without bf16 "
+        "kernels, benchmarks/BF16.md); rollout_correction corrects the mismatch",
+    )
     sampler_threads: int = Field(
         0,
         ge=0,

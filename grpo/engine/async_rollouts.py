@@ -10,8 +10,9 @@ resume trains on the very groups the uninterrupted run trained on.
 The learner sends its trainable weights after taking step s's groups and before updating on
 them; the sampler loads them when it starts the step they are for. Rollouts sampled with older
 weights are off-policy: grpo.rollout_correction (on by default with async) weights each token
-by pi_theta / mu. On CPU the two processes split the rank's threads (grpo.sampler_threads); on
-one GPU they share it.
+by pi_theta / mu, which also corrects a sampler in a lower precision (grpo.sampler_dtype). On
+CPU the two processes split the rank's threads (grpo.sampler_threads); on one GPU they share
+it.
 """
 
 from __future__ import annotations
@@ -189,7 +190,10 @@ def _sampler(cfg: Config, policy_dir: str, rank: int, world: int) -> Any:
 
     device = device_for(cfg)
     tok = load_tokenizer(policy_dir)
-    model = load_model(policy_dir, cfg.model.dtype).to(device)
+    # int8: the weights stay in model.dtype here, the fast sampler packs them per step
+    own = cfg.grpo.sampler_dtype not in ("model", "int8")
+    dtype = cfg.grpo.sampler_dtype if own else cfg.model.dtype
+    model = load_model(policy_dir, dtype).to(device)  # each step's weights are cast to it
     if cfg.model.lora.enabled:  # the adapters' values come with every step's weights
         model = lora.wrap(model, cfg.model.lora)
     model.eval()

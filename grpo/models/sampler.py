@@ -61,16 +61,46 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+class Int8Linear:
+    """x W^T + b with W in int8, one scale per output row, and x quantized per call (torch's
+    dynamic quantized linear): 2.7-10x a float32 matmul at decoding's batch sizes on a CPU
+    core. The kernel quantizes x with one scale for the whole batch; each row is first brought
+    to unit max here (and the result scaled back), so a token with large activations does not
+    flatten the others' (on SmolLM2-135M this halves the log-prob error, benchmarks/ASYNC.md).
+    The sampler's log-probs are the int8 model's, the distribution it drew from, so
+    rollout_correction weighs the difference out."""
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None) -> None:
+        w = w.detach().float()
+        scale = (w.abs().amax(1).clamp(min=1e-12) / 127).double()
+        zero = torch.zeros(w.shape[0], dtype=torch.long)
+        q = torch.quantize_per_channel(w, scale, zero, 0, torch.qint8)
+        self.packed = torch.ops.quantized.linear_prepack(q, None)
+        self.bias = None if b is None else b.detach().float()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        s = x.abs().amax(-1, keepdim=True).clamp(min=1e-12)
+        # reduce_range: 7-bit activations, so that the int16 sums of x86 kernels cannot overflow
+        y = torch.ops.quantized.linear_dynamic(x / s, self.packed, True) * s
+        return y if self.bias is None else y + self.bias
+
+
+def make_linear(w: torch.Tensor, b: torch.Tensor | None, int8: bool) -> Linear:
+    """The layer x -> x W^T + b, in W's dtype or in int8."""
+    return Int8Linear(w, b) if int8 else functools.partial(F.linear, weight=w, bias=b)
+
+
 @dataclass
 class _Layer:
     ln_in: torch.Tensor
-    w_qkv: torch.Tensor
-    b_qkv: torch.Tensor | None
-    w_o: torch.Tensor
-    b_o: torch.Tensor | None
+    qkv: Linear
+    o: Linear
     ln_post: torch.Tensor
-    w_gate_up: torch.Tensor
-    w_down: torch.Tensor
+    gate_up: Linear
+    down: Linear
 
 
 def _cat_bias(linears: list[torch.nn.Module], weights: list[torch.Tensor]) -> torch.Tensor | None:
@@ -84,9 +114,10 @@ def _cat_bias(linears: list[torch.nn.Module], weights: list[torch.Tensor]) -> to
 
 
 class Decoder:
-    """The model's weights arranged for decoding; build one per generate call (weights change)."""
+    """The model's weights arranged for decoding; build one per generate call (weights change).
+    int8: every matmul's weights in int8 (CPU only; Int8Linear)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, int8: bool = False) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"fast generation engine: {reason}")
@@ -99,27 +130,25 @@ class Decoder:
             a, m = layer.self_attn, layer.mlp
             qkv = [a.q_proj, a.k_proj, a.v_proj]
             w_qkv = [w(lin) for lin in qkv]  # merged once each (LoRA: one B @ A per matrix)
+            rows_qkv = sum(x.shape[0] for x in w_qkv)
             self.layers.append(
                 _Layer(
                     ln_in=layer.input_layernorm.weight,
-                    w_qkv=torch.cat(w_qkv),
-                    b_qkv=_cat_bias(qkv, w_qkv),
-                    w_o=w(a.o_proj),
-                    b_o=effective_bias(a.o_proj),
+                    qkv=make_linear(torch.cat(w_qkv), _cat_bias(qkv, w_qkv), int8),
+                    o=make_linear(w(a.o_proj), effective_bias(a.o_proj), int8),
                     ln_post=layer.post_attention_layernorm.weight,
-                    w_gate_up=torch.cat([w(m.gate_proj), w(m.up_proj)]),
-                    w_down=w(m.down_proj),
+                    gate_up=make_linear(torch.cat([w(m.gate_proj), w(m.up_proj)]), None, int8),
+                    down=make_linear(w(m.down_proj), None, int8),
                 )
             )
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
         # q, k, v rows: (n_heads + 2 n_kv) heads of head_dim
-        self.head_dim = self.layers[0].w_qkv.shape[0] // (self.n_heads + 2 * self.n_kv)
+        self.head_dim = rows_qkv // (self.n_heads + 2 * self.n_kv)
         self.eps = cfg.rms_norm_eps
         self.embed = w(inner.embed_tokens)
         self.norm = inner.norm.weight
-        self.head = w(model.lm_head)
-        self.head_bias = effective_bias(model.lm_head)
+        self.head = make_linear(w(model.lm_head), effective_bias(model.lm_head), int8)
         self.rotary = inner.rotary_emb
         self.dtype = self.embed.dtype
         self.device = self.embed.device
@@ -147,7 +176,7 @@ class Decoder:
         h = F.embedding(ids, self.embed)
         for layer, (k_cache, v_cache) in zip(self.layers, cache, strict=True):
             x = F.rms_norm(h, (h.shape[-1],), layer.ln_in, self.eps)
-            qkv = F.linear(x, layer.w_qkv, layer.b_qkv).view(b, t, nh + 2 * nkv, d)
+            qkv = layer.qkv(x).view(b, t, nh + 2 * nkv, d)
             qk, v = qkv[:, :, : nh + nkv], qkv[:, :, nh + nkv :]
             # rotate q and k heads together: one rope application per layer
             qk = qk * cos + torch.cat([-qk[..., half:], qk[..., :half]], -1) * sin
@@ -165,12 +194,12 @@ class Decoder:
                     q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask, enable_gqa=True
                 )
                 o = o.transpose(1, 2).reshape(b, t, nh * d)
-            h = h + F.linear(o, layer.w_o, layer.b_o)
+            h = h + layer.o(o)
             x = F.rms_norm(h, (h.shape[-1],), layer.ln_post, self.eps)
-            gate, up = F.linear(x, layer.w_gate_up).chunk(2, -1)
-            h = h + F.linear(F.silu(gate) * up, layer.w_down)
+            gate, up = layer.gate_up(x).chunk(2, -1)
+            h = h + layer.down(F.silu(gate) * up)
         last = F.rms_norm(h[:, -1], (h.shape[-1],), self.norm, self.eps)
-        return F.linear(last, self.head, self.head_bias)
+        return self.head(last)
 
 
 def sample_tokens(probs: torch.Tensor) -> torch.Tensor:
@@ -213,8 +242,10 @@ def sample(
     top_k: int = 0,
     do_sample: bool = True,
     num_generations: int = 1,
+    int8: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Completions [B*G, C] and log pi of each sampled token [B*G, C].
+    """Completions [B*G, C] and log pi of each sampled token [B*G, C] (int8: the matmuls' weights
+    in int8, Int8Linear; the log-probs are then the int8 model's, the distribution sampled).
 
     Each of the B prompts is prefilled once; its KV cache is then copied to its G rows
     (rows of one prompt contiguous), so the prompt costs one forward, not G.
@@ -228,7 +259,7 @@ def sample(
     after a row's first EOS are arbitrary (the row kept decoding until the next compaction) and
     their log-probs too: generate.generate masks both with completion_mask, for either engine.
     """
-    dec = Decoder(model)
+    dec = Decoder(model, int8)
     b, p = prompt_ids.shape  # b distinct prompts here; b * G rows after the prefill
     total = p + max_new_tokens
     dev = prompt_ids.device

@@ -1,6 +1,7 @@
 """grpo.async_rollouts end to end, in the test process: the sampler process samples ahead with
 weights exactly max_staleness updates old, a run stopped by Ctrl-C ends its sampler and resumes
-bit-identically, and a killed sampler ends the run in one line."""
+bit-identically, and a killed sampler ends the run in one line (on a LoRA policy, with
+transformers' generate)."""
 
 import json
 import os
@@ -71,9 +72,11 @@ def test_async_steps_are_exactly_k_stale_and_a_stopped_run_resumes_bit_identical
 
 
 def test_a_killed_sampler_ends_the_run_in_one_line(tmp_path, threads):
-    # transformers' generate() as the sampler's engine (the other test uses the fast one)
+    # transformers' generate() as the sampler's engine (the other test uses the fast one), on a
+    # LoRA policy: the sampler receives the adapters only, for step 2 before the kill
     cfg = small_config(tmp_path, "grpo.async_rollouts=true", "grpo.steps=4",
-                       "model.generation_engine=hf")  # fmt: skip
+                       "model.generation_engine=hf", "model.lora.enabled=true", "model.lora.r=2",
+                       "model.lora.alpha=4")  # fmt: skip
     t = Trainer(cfg, base_model_dir(cfg), tmp_path / "grpo")
 
     def kill(done: int, _steps: int, _finished: bool) -> None:

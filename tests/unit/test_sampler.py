@@ -193,3 +193,36 @@ def test_every_eos_id_ends_a_completion(engine):
     assert (ro.completion_ids[0, k + 1 :] == PAD).all()
     # with only the tokenizer's EOS the same row runs on past it
     assert free.lengths[0].item() > k + 1 or free.truncated[0]
+
+
+def test_int8_linear_is_the_float_layer_within_its_rounding():
+    """Each weight moves by at most half its row's step (max |w| / 127 / 2); a row of x is
+    quantized at its own scale, so a row of large activations leaves a small row's precision
+    alone."""
+    torch.manual_seed(0)
+    w, b = torch.randn(48, 32), torch.randn(48)
+    x = torch.randn(3, 32)
+    x[0] *= 1000.0  # one token with huge activations beside ordinary ones
+    lin = sampler.Int8Linear(w, b)
+    exact = torch.nn.functional.linear(x, w, b)
+    err = (lin(x) - exact).abs()
+    # the rounding of w and x: about |x| |w| (1/127) per row, far below the row's own scale
+    bound = (x.abs().sum(1, keepdim=True) * w.abs().amax(1) / 127).expand_as(err)
+    assert (err <= bound).all()
+    # the small rows come out as they do without the huge one beside them
+    assert torch.allclose(lin(x)[1:], lin(x[1:]), atol=1e-5)
+
+
+def test_int8_sampling_log_probs_are_those_of_the_int8_model():
+    """int8: the sampler's log-probs are its own int8 model's, not the float model's; the gap
+    to a float teacher-forced forward is small but not zero (what rollout_correction sees)."""
+    model = _model("qwen2")
+    ids, mask = _prompts()
+    torch.manual_seed(1)
+    ro = generate(model, ids, mask, num_generations=8, max_completion_length=20,
+                  eos_token_id=EOS, pad_token_id=PAD, engine="fast", int8=True)  # fmt: skip
+    gap = (_teacher_forced(model, ro, 1.0) - ro.sampling_logps).abs()[ro.completion_mask.bool()]
+    assert 1e-4 < gap.mean() < 0.1
+    with pytest.raises(ValueError, match="int8 sampling needs the fast generation engine"):
+        generate(model, ids, mask, num_generations=2, max_completion_length=4,
+                 eos_token_id=EOS, pad_token_id=PAD, engine="hf", int8=True)  # fmt: skip
