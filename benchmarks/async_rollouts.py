@@ -9,14 +9,17 @@ sampler: the fast sampler in float32 and in int8 (grpo.sampler_dtype) on one bat
 config's training prompts at one thread: time of the whole sampling call (alternated, medians)
 and the int8 sampler's log-prob gap to the float32 training forward of the same tokens.
 
-learning: the default tiny task from its SFT reference, synchronous and asynchronous GRPO per
-seed for the config's steps, each evaluated greedy on the held-out set, with the paired
-difference (async - sync) on the same problems.
+learning: the config's task (the default tiny one unless --config) from its SFT reference, GRPO
+in each mode per seed for the config's steps (equal steps), and with --equal-time one mode
+again for as many steps as fit in the first mode's time (equal wall time), each evaluated
+greedy on the first held-out set, with the paired difference to the first mode on the same
+problems.
 
     python benchmarks/async_rollouts.py speed --config configs/smollm2-135m.yaml --steps 6 \
         --repeats 2 --work /tmp/async
     python benchmarks/async_rollouts.py sampler --config configs/smollm2-135m.yaml --repeats 3
-    python benchmarks/async_rollouts.py learning --seeds 0 1 2 --work /tmp/async_tiny
+    python benchmarks/async_rollouts.py learning --seeds 0 1 --modes sync async async-int8 \
+        --equal-time async --work /tmp/async_tiny
 """
 
 from __future__ import annotations
@@ -60,13 +63,14 @@ def _rows(out: Path) -> list[dict]:
     return [json.loads(x) for x in (out / "metrics.jsonl").open()]
 
 
-def _policy(cfg_path: str | None, sets: list[str]) -> Path:
-    """The config's starting policy: a real model's converted base, or the SFT reference."""
+def _policy(cfg_path: str | None, sets: list[str], reference: bool = False) -> Path:
+    """The config's starting policy: a real model's converted base (for speed, unless
+    `reference`), or the SFT reference, built by `grpo sft` when not cached."""
     from grpo.config import load_config
     from grpo.launch.paths import gguf_model_dir, reference_dir
 
     cfg = load_config(cfg_path, sets)
-    if cfg.model.gguf:
+    if cfg.model.gguf and not reference:
         return gguf_model_dir(cfg.model.gguf, ROOT / "runs" / "base")
     ref = reference_dir(cfg)
     if not (ref / "model.safetensors").exists():
@@ -114,29 +118,47 @@ def speed(a: argparse.Namespace) -> None:
         )
 
 
+def _trained_and_evaluated(
+    a: argparse.Namespace, cfg: object, policy: Path, sets: list[str], out: Path
+) -> tuple[float, list[dict]]:
+    """Train into out (a finished run there is kept) and evaluate greedy on the first held-out
+    set: the steps' own seconds (startup and the final save are the same in every mode) and
+    the per-problem records."""
+    from grpo.eval.run import evaluate_model
+
+    if not (out / "policy").exists():
+        _train(a.config, policy, out, sets)
+    secs = sum(r["step_time"] for r in _rows(out) if "step_time" in r)
+    report = out / "eval"
+    evaluate_model(cfg, str(out / "policy"), [cfg.eval.sets[0]], str(report))
+    return secs, [json.loads(x) for x in (report / "samples.jsonl").open()]
+
+
 def learning(a: argparse.Namespace) -> None:
     from grpo.config import load_config
     from grpo.eval.metrics import format_paired, paired_difference
-    from grpo.eval.run import evaluate_model
 
     for seed in a.seeds:
         sets = [f"seed={seed}", *a.set]
         cfg = load_config(a.config, sets)
-        policy = _policy(a.config, sets)
-        recs, walls = {}, {}
-        for mode in a.modes:
-            extra = MODES[mode]
-            out = Path(a.work) / f"seed{seed}" / mode
-            walls[mode] = _train(a.config, policy, out, [*sets, *extra])
-            report = out / "eval"
-            evaluate_model(cfg, str(out / "policy"), [cfg.eval.sets[0]], str(report))
-            recs[mode] = [json.loads(x) for x in (report / "samples.jsonl").open()]
-        acc = {m: sum(r["correct"] for r in v) / len(v) for m, v in recs.items()}
+        policy = _policy(a.config, sets, reference=True)
+        recs, secs = {}, {}
+        runs = [(mode, MODES[mode]) for mode in a.modes]
         first = a.modes[0]
-        line = f"seed {seed}: {first} {acc[first]:.3f} ({walls[first]:.0f} s)"
-        for m in a.modes[1:]:
+        for label, extra in runs:
+            out = Path(a.work) / f"seed{seed}" / label
+            secs[label], recs[label] = _trained_and_evaluated(a, cfg, policy, [*sets, *extra], out)
+        if a.equal_time:  # as many steps as fit in the first mode's training time
+            steps = round(cfg.grpo.steps * secs[first] / secs[a.equal_time])
+            label = f"{a.equal_time}@{steps}"
+            out = Path(a.work) / f"seed{seed}" / label
+            extra = [*sets, *MODES[a.equal_time], f"grpo.steps={steps}"]
+            secs[label], recs[label] = _trained_and_evaluated(a, cfg, policy, extra, out)
+        acc = {m: sum(r["correct"] for r in v) / len(v) for m, v in recs.items()}
+        line = f"seed {seed}: {first} {acc[first]:.3f} ({secs[first]:.0f} s of steps)"
+        for m in list(recs)[1:]:
             diff = format_paired(paired_difference(recs[first], recs[m]))
-            line += f"; {m} {acc[m]:.3f} ({walls[m]:.0f} s), {m} - {first} {diff}"
+            line += f"; {m} {acc[m]:.3f} ({secs[m]:.0f} s), {m} - {first} {diff}"
         print(line, flush=True)
 
 
@@ -192,6 +214,9 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=["sync", "async"],
                    help="the first is the baseline of the ratios and differences")  # fmt: skip
+    p.add_argument("--equal-time", choices=list(MODES),
+                   help="learning: this mode again, for as many steps as fit in the first "
+                   "mode's time")  # fmt: skip
     p.add_argument("--work", help="where the runs go (speed, learning)")
     a = p.parse_args()
     if a.what != "sampler" and not a.work:

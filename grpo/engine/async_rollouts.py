@@ -156,9 +156,7 @@ def sampler_main(
     torch.set_num_threads(threads)
     step = -1
     try:
-        from grpo.launch.environment import import_deepspeed_without_mlflow
-
-        import_deepspeed_without_mlflow()
+        # no DeepSpeed here: the sampler's gathering of weights is ZeRO-3's, refused with async
         sample = _sampler(cfg, policy_dir, rank, world)
         while True:
             try:

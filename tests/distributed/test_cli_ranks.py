@@ -58,7 +58,8 @@ def test_sft_control_and_grpo_through_the_cli_on_two_ranks(tmp_path):
     train = subprocess.run(
         [*cli, "train", "--policy", str(ref), "--out", str(out), *flags,
          "--set", "deepspeed.zero_stage=2", "--set", "grpo.async_rollouts=true",
-         "--set", "grpo.reward_funcs=[tests.trl_doc_rewards:reward_len]"],
+         "--set", "grpo.reward_funcs=[tests.trl_doc_rewards:reward_len]",
+         "--set", "grpo.reward_weights=[1.0]"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert train.returncode == 0, train.stderr[-2000:]
