@@ -41,6 +41,9 @@ MODES = {
     "async": ["grpo.async_rollouts=true"],
     "async-int8": ["grpo.async_rollouts=true", "grpo.sampler_dtype=int8"],
 }
+# what learning prints per run: a step's time and what the correction saw
+MISMATCH = ("step_time", "logprob_gap/mean", "mismatch/kl_k3",
+            "rollout_correction/over_threshold_frac", "rollout_correction/weight_mean")  # fmt: skip
 # no in-run evaluation or selection split: the speed of steps alone
 SPEED_SETS = ["grpo.eval_every=0", "data.num_select=0"]
 
@@ -137,6 +140,7 @@ def _trained_and_evaluated(
 def learning(a: argparse.Namespace) -> None:
     from grpo.config import load_config
     from grpo.eval.metrics import format_paired, paired_difference
+    from grpo.eval.run import evaluate_model
 
     for seed in a.seeds:
         sets = [f"seed={seed}", *a.set]
@@ -154,8 +158,16 @@ def learning(a: argparse.Namespace) -> None:
             out = Path(a.work) / f"seed{seed}" / label
             extra = [*sets, *MODES[a.equal_time], f"grpo.steps={steps}"]
             secs[label], recs[label] = _trained_and_evaluated(a, cfg, policy, extra, out)
+        ref_report = Path(a.work) / f"seed{seed}" / "reference_eval"
+        evaluate_model(cfg, str(policy), [cfg.eval.sets[0]], str(ref_report))
+        ref = [json.loads(x) for x in (ref_report / "samples.jsonl").open()]
+        for label in recs:  # medians over the steps after the first
+            rows = [r for r in _rows(Path(a.work) / f"seed{seed}" / label) if "step_time" in r]
+            med = {k: statistics.median(r.get(k, 0.0) for r in rows[1:]) for k in MISMATCH}
+            print(f"seed {seed} {label}: " + ", ".join(f"{k} {v:.4g}" for k, v in med.items()))
         acc = {m: sum(r["correct"] for r in v) / len(v) for m, v in recs.items()}
-        line = f"seed {seed}: {first} {acc[first]:.3f} ({secs[first]:.0f} s of steps)"
+        line = f"seed {seed}: reference {sum(r['correct'] for r in ref) / len(ref):.3f}; "
+        line += f"{first} {acc[first]:.3f} ({secs[first]:.0f} s of steps)"
         for m in list(recs)[1:]:
             diff = format_paired(paired_difference(recs[first], recs[m]))
             line += f"; {m} {acc[m]:.3f} ({secs[m]:.0f} s), {m} - {first} {diff}"
