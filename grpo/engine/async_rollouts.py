@@ -106,8 +106,8 @@ class AsyncRollouts:
         while step not in self.ready:
             self._receive(step)
         sampled, metrics, version, seconds = self.ready.pop(step)
-        if step + self.k < self.steps:
-            self._request(step + self.k, step, policy)
+        if step + self.k < self.steps:  # the policy now holds weights_version(step + k)
+            self._request(step + self.k, weights_version(step + self.k, self.k), policy)
         metrics = {**metrics, "time/sampler": seconds}
         return sampled, metrics, step - version
 
