@@ -5,9 +5,11 @@ speed: `grpo train` at a config's shape, synchronous and asynchronous runs alter
 first step (the first has nothing to overlap), the whole command's wall time, and where a step's
 time goes (learner waiting for the sampler, the update, the sampler's own sampling time).
 
-sampler: the fast sampler in float32 and in int8 (grpo.sampler_dtype) on one batch of the
-config's training prompts at one thread: time of the whole sampling call (alternated, medians)
-and the int8 sampler's log-prob gap to the float32 training forward of the same tokens.
+sampler: the fast sampler in float32, in int8 (grpo.sampler_dtype) and in int8 without its
+per-channel smoothing (each activation row scaled only) on one batch of the config's training
+prompts at one thread: time of the whole sampling call (alternated, medians) and each one's
+log-prob gap to the float32 training forward of the same tokens (--reference: from the SFT
+reference instead of the base model).
 
 learning: the config's task (the default tiny one unless --config) from its SFT reference, GRPO
 in each mode per seed for the config's steps (equal steps), and with --equal-time one mode
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -177,6 +180,7 @@ def learning(a: argparse.Namespace) -> None:
 def sampler(a: argparse.Namespace) -> None:
     import torch
 
+    import grpo.models.sampler as fast
     from grpo.config import load_config
     from grpo.data.sets import training_sets
     from grpo.models.forward import completion_logprobs
@@ -186,20 +190,27 @@ def sampler(a: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)  # a sampler process's share of 2 cores
     cfg = load_config(a.config, a.set)
-    g, path = cfg.grpo, _policy(a.config, a.set)
+    g, path = cfg.grpo, _policy(a.config, a.set, reference=a.reference)
     tok, model = load_tokenizer(path), load_model(path, "float32")
     rows = training_sets(cfg)["train"][: g.prompts_per_step]
     ids, mask = encode_prompts(tok, [r["prompt"] for r in rows], cfg, torch.device("cpu"))
-    times: dict[bool, list[float]] = {False: [], True: []}
+    smoothed = fast.CalibratingLinear.int8
+    # the ablation: int8 with each activation row scaled, without the per-channel smoothing
+    rows_only = lambda lin: fast.Int8Linear(lin.w, lin.b)  # noqa: E731
+    variants = {"float32": (False, smoothed), "int8, rows only": (True, rows_only),
+                "int8": (True, smoothed)}  # fmt: skip
+    times: dict[str, list[float]] = {v: [] for v in variants}
     for r in range(a.repeats):
-        for int8 in (False, True):
+        for name, (int8, to_int8) in variants.items():
+            fast.CalibratingLinear.int8 = to_int8
             torch.manual_seed(0)
             t = time.time()
             ro = generate(model, ids, mask, num_generations=g.num_generations,
                           max_completion_length=g.max_completion_length,
                           eos_token_id=eos_token_ids(tok, model), pad_token_id=tok.pad_token_id,
                           temperature=g.temperature, engine="fast", int8=int8)  # fmt: skip
-            times[int8].append(time.time() - t)
+            times[name].append(time.time() - t)
+            fast.CalibratingLinear.int8 = smoothed
             if r == 0:
                 with torch.no_grad():
                     lp, _ = completion_logprobs(model, ro.prompt_ids, ro.prompt_mask,
@@ -208,12 +219,17 @@ def sampler(a: argparse.Namespace) -> None:
                 m = ro.completion_mask.float()
                 d = (lp - ro.sampling_logps) * m
                 n = m.sum()
-                print(f"{'int8' if int8 else 'float32'}: {int(n)} tokens, mean |log pi - log "
-                      f"mu| {float(d.abs().sum() / n):.4f}, max {float(d.abs().max()):.3f}, "
-                      f"KL k1 {float(-d.sum() / n):.4f}")  # fmt: skip
+                k3 = (torch.expm1(d) - d) * m
+                print(f"{name}: {int(n)} tokens, mean |log pi - log mu| "
+                      f"{float(d.abs().sum() / n):.4f}, max {float(d.abs().max()):.3f}, "
+                      f"KL k1 {float(-d.sum() / n):.4f}, k3 {float(k3.sum() / n):.4f}, "
+                      f"weight > 2 {float(((d > math.log(2)) * m).sum() / n):.4f}",
+                      flush=True)  # fmt: skip
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"sampling call, 1 thread, medians of {a.repeats}: float32 {med[False]:.2f} s, int8 "
-          f"{med[True]:.2f} s, {med[False] / med[True]:.2f}x")  # fmt: skip
+    print(
+        f"sampling call, 1 thread, medians of {a.repeats}: "
+        + ", ".join(f"{k} {v:.2f} s ({med['float32'] / v:.2f}x)" for k, v in med.items())
+    )
 
 
 def main() -> None:
@@ -230,6 +246,8 @@ def main() -> None:
                    help="learning: this mode again, for as many steps as fit in the first "
                    "mode's time")  # fmt: skip
     p.add_argument("--work", help="where the runs go (speed, learning)")
+    p.add_argument("--reference", action="store_true",
+                   help="sampler: from the config's SFT reference, not its base model")  # fmt: skip
     a = p.parse_args()
     if a.what != "sampler" and not a.work:
         p.error(f"{a.what} needs --work")
