@@ -90,7 +90,7 @@ def _policy(cfg_path: str | None, sets: list[str], reference: bool = False) -> P
 
 def speed(a: argparse.Namespace) -> None:
     sets = [*SPEED_SETS, f"grpo.steps={a.steps}", f"grpo.checkpoint_every={a.steps}", *a.set]
-    policy = _policy(a.config, a.set)
+    policy = _policy(a.config, a.set, reference=a.reference)
     runs: dict[str, list[dict]] = {m: [] for m in a.modes}
     for r in range(a.repeats):
         for mode in a.modes:
@@ -246,8 +246,9 @@ def main() -> None:
                    help="learning: this mode again, for as many steps as fit in the first "
                    "mode's time")  # fmt: skip
     p.add_argument("--work", help="where the runs go (speed, learning)")
-    p.add_argument("--reference", action="store_true",
-                   help="sampler: from the config's SFT reference, not its base model")  # fmt: skip
+    p.add_argument(
+        "--reference", action="store_true", help="speed, sampler: from the SFT reference"
+    )
     a = p.parse_args()
     if a.what != "sampler" and not a.work:
         p.error(f"{a.what} needs --work")
