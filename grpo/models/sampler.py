@@ -78,7 +78,7 @@ class Int8Linear:
     smooth [in]: per input channel s, x W^T = (x / s)(W s)^T (SmoothQuant): a few channels of
     x carry most of its range in LLMs (SmolLM2-135M: the largest channel 7-20x the median
     one, up to 6,000x), and one row scale then leaves the other channels a few levels of the
-    8 bits; dividing by s moves that range into W's columns, which have 8 bits each per row.
+    7 activation bits; dividing by s moves that range into W's columns (8 bits per row).
     The sampler's log-probs are the int8 model's, the distribution it drew from, so
     rollout_correction weighs the difference out."""
 
@@ -119,7 +119,7 @@ def smoothing_scales(
 
 
 class CalibratingLinear:
-    """x W^T + b in float32 that records the largest |x| of each input channel, then becomes an
+    """x W^T + b in W's dtype that records the largest |x| of each input channel, then becomes an
     Int8Linear smoothed by them (int8(); calibrated on the prompts' prefill, so each sampling
     call calibrates on its own prompts and weights)."""
 
