@@ -136,7 +136,8 @@ def _trained_and_evaluated(
         _train(a.config, policy, out, sets)
     secs = sum(r["step_time"] for r in _rows(out) if "step_time" in r)
     report = out / "eval"
-    evaluate_model(cfg, str(out / "policy"), [cfg.eval.sets[0]], str(report))
+    # greedy only: the comparison uses nothing else (pass@k would cost k greedy passes)
+    evaluate_model(cfg, str(out / "policy"), [cfg.eval.sets[0]], str(report), pass_k=0)
     return secs, [json.loads(x) for x in (report / "samples.jsonl").open()]
 
 
@@ -162,7 +163,7 @@ def learning(a: argparse.Namespace) -> None:
             extra = [*sets, *MODES[a.equal_time], f"grpo.steps={steps}"]
             secs[label], recs[label] = _trained_and_evaluated(a, cfg, policy, extra, out)
         ref_report = Path(a.work) / f"seed{seed}" / "reference_eval"
-        evaluate_model(cfg, str(policy), [cfg.eval.sets[0]], str(ref_report))
+        evaluate_model(cfg, str(policy), [cfg.eval.sets[0]], str(ref_report), pass_k=0)
         ref = [json.loads(x) for x in (ref_report / "samples.jsonl").open()]
         for label in recs:  # medians over the steps after the first
             rows = [r for r in _rows(Path(a.work) / f"seed{seed}" / label) if "step_time" in r]

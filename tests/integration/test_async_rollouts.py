@@ -14,6 +14,8 @@ from safetensors.torch import load_file
 from grpo.engine.async_rollouts import RolloutSamplerError
 from grpo.engine.loop import Trainer
 from grpo.launch.paths import base_model_dir
+from grpo.models.forward import completion_logprobs
+from grpo.models.loading import load_model
 from tests.helpers import small_config
 
 pytestmark = pytest.mark.slow
@@ -34,6 +36,30 @@ def threads():
     torch.set_num_threads(n)
 
 
+class Recording(Trainer):
+    """Keeps each step's rollout and the weights its update started from."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seen = []  # step s: (weights after s updates, the rollout step s trained on)
+
+    def update(self, ro, adv, ref_logps):
+        mod = self.engine.module
+        before = {n: p.detach().clone() for n, p in mod.state_dict().items()}
+        self.seen.append((before, ro))
+        return super().update(ro, adv, ref_logps)
+
+
+def _gap(model, weights, ro, temperature):
+    """Mean |log pi - log mu| of the rollout's tokens, pi = model with those weights."""
+    model.load_state_dict(weights)
+    with torch.no_grad():
+        logps, _ = completion_logprobs(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
+                                       ro.completion_mask, temperature)  # fmt: skip
+    m = ro.completion_mask.float()
+    return float(((logps - ro.sampling_logps).abs() * m).sum() / m.sum())
+
+
 def _metrics(out):
     rows = [json.loads(x) for x in (out / "metrics.jsonl").open()]
     return [{k: v for k, v in r.items() if not k.startswith(TIMES)} for r in rows]
@@ -45,10 +71,17 @@ def test_async_steps_are_exactly_k_stale_and_a_stopped_run_resumes_bit_identical
     cfg = small_config(tmp_path, "grpo.async_rollouts=true", "grpo.max_staleness=2",
                        "grpo.steps=4", "grpo.checkpoint_every=2", *FAST)  # fmt: skip
     base = base_model_dir(cfg)
-    Trainer(cfg, base, tmp_path / "whole").train(progress=False)
+    whole_run = Recording(cfg, base, tmp_path / "whole")
+    whole_run.train(progress=False)
     rows = _metrics(tmp_path / "whole")
-    # step s is sampled with the weights of max(0, s - 2) updates
+    # step s is sampled with the weights of max(0, s - 2) updates: what was logged, and what
+    # the sampler's log-probs say (those weights give them to numerics; the learner's own,
+    # two updates on, do not)
     assert [r["async/staleness"] for r in rows] == [0.0, 1.0, 2.0, 2.0]
+    model, seen, temp = load_model(base, cfg.model.dtype), whole_run.seen, cfg.grpo.temperature
+    for s, (_, ro) in enumerate(seen):
+        assert _gap(model, seen[max(0, s - 2)][0], ro, temp) < 1e-4, s
+    assert _gap(model, seen[3][0], seen[3][1], temp) > 1e-3
     # the first step's sampler had the learner's own weights (the gap is numerics only); the
     # last one's were two updates old at lr 0.01, and the correction weighted them
     assert rows[0]["logprob_gap/mean"] < 1e-4 < rows[3]["logprob_gap/mean"]
