@@ -107,8 +107,8 @@ class GRPOConfig(Strict):
         description="sample in a process of its own, max_staleness steps ahead of the learner, "
         "while it updates (verl's one-step-off, TRL's AsyncGRPOTrainer); turns "
         "rollout_correction on unless it is set. Stale samples need small steps: on SmolLM2 it "
-        "learned worse where one update moved log pi by 0.03-0.04 nats a token "
-        "(logprob_gap/mean), as well at 0.014 (benchmarks/ASYNC.md)",
+        "learned worse than sync where one update moved log pi by 0.03-0.04 nats a token "
+        "(logprob_gap/mean) and as well as sync at 0.014 (benchmarks/ASYNC.md)",
     )
     max_staleness: int = Field(
         1,
