@@ -120,8 +120,8 @@ class GRPOConfig(Strict):
         "model",
         description="async_rollouts: the sampler's weights in this dtype (model: model.dtype); "
         "int8 (CPU, the fast engine): every decoding matmul in int8, smoothed per channel, "
-        "1.6-1.8x faster sampling on SmolLM2 but it learned far worse from it "
-        "(benchmarks/ASYNC.md); bfloat16 for GPUs "
+        "1.6-1.8x faster sampling on SmolLM2 but it learned worse from it at both learning "
+        "rates tried (benchmarks/ASYNC.md); bfloat16 for GPUs "
         "(slower on CPUs without bf16 kernels, benchmarks/BF16.md); rollout_correction "
         "weights the mismatch",
     )
