@@ -5,11 +5,9 @@ speed: `grpo train` at a config's shape, synchronous and asynchronous runs alter
 first step (the first has nothing to overlap), the whole command's wall time, and where a step's
 time goes (learner waiting for the sampler, the update, the sampler's own sampling time).
 
-sampler: the fast sampler in float32, in int8 (grpo.sampler_dtype) and in int8 without its
-per-channel smoothing (each activation row scaled only) on one batch of the config's training
-prompts at one thread: time of the whole sampling call (alternated, medians) and each one's
-log-prob gap to the float32 training forward of the same tokens (--reference: from the SFT
-reference instead of the base model).
+resources: one async run of --steps steps; the learner's and the sampler's open file
+descriptors and /dev/shm's use after every step, first half against second half (flat when the
+weights' buffers are reused).
 
 learning: the config's task (the default tiny one unless --config) from its SFT reference, GRPO
 in each mode per seed for the config's steps (equal steps), and with --equal-time one mode
@@ -19,8 +17,8 @@ problems.
 
     python benchmarks/async_rollouts.py speed --config configs/smollm2-135m.yaml --steps 6 \
         --repeats 2 --work /tmp/async
-    python benchmarks/async_rollouts.py sampler --config configs/smollm2-135m.yaml --repeats 3
-    python benchmarks/async_rollouts.py learning --seeds 0 1 --modes sync async async-int8 \
+    python benchmarks/async_rollouts.py resources --steps 100 --work /tmp/async_res
+    python benchmarks/async_rollouts.py learning --seeds 0 1 --modes sync async \
         --equal-time async --work /tmp/async_tiny
 """
 
@@ -28,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import subprocess
 import sys
@@ -42,7 +39,6 @@ ROOT = prepare()
 MODES = {
     "sync": [],
     "async": ["grpo.async_rollouts=true"],
-    "async-int8": ["grpo.async_rollouts=true", "grpo.sampler_dtype=int8"],
 }
 # what learning prints per run: a step's time and what the correction saw
 MISMATCH = ("step_time", "logprob_gap/mean", "mismatch/kl_k3",
@@ -178,64 +174,42 @@ def learning(a: argparse.Namespace) -> None:
         print(line, flush=True)
 
 
-def sampler(a: argparse.Namespace) -> None:
-    import torch
+def resources(a: argparse.Namespace) -> None:
+    """An async run in this process for --steps steps: after every step the open file
+    descriptors of the learner and of its sampler process, and the bytes used in /dev/shm."""
+    import os
+    import shutil
 
-    import grpo.models.sampler as fast
     from grpo.config import load_config
-    from grpo.data.sets import training_sets
-    from grpo.models.forward import completion_logprobs
-    from grpo.models.generate import generate
-    from grpo.models.loading import eos_token_ids, load_model, load_tokenizer
-    from grpo.models.prompts import encode_prompts
+    from grpo.engine.loop import Trainer
 
-    torch.set_num_threads(1)  # a sampler process's share of 2 cores
-    cfg = load_config(a.config, a.set)
-    g, path = cfg.grpo, _policy(a.config, a.set, reference=a.reference)
-    tok, model = load_tokenizer(path), load_model(path, "float32")
-    rows = training_sets(cfg)["train"][: g.prompts_per_step]
-    ids, mask = encode_prompts(tok, [r["prompt"] for r in rows], cfg, torch.device("cpu"))
-    smoothed = fast.CalibratingLinear.int8
-    # the ablation: int8 with each activation row scaled, without the per-channel smoothing
-    rows_only = lambda lin: fast.Int8Linear(lin.w, lin.b)  # noqa: E731
-    variants = {"float32": (False, smoothed), "int8, rows only": (True, rows_only),
-                "int8": (True, smoothed)}  # fmt: skip
-    times: dict[str, list[float]] = {v: [] for v in variants}
-    for r in range(a.repeats):
-        for name, (int8, to_int8) in variants.items():
-            fast.CalibratingLinear.int8 = to_int8
-            torch.manual_seed(0)
-            t = time.time()
-            ro = generate(model, ids, mask, num_generations=g.num_generations,
-                          max_completion_length=g.max_completion_length,
-                          eos_token_id=eos_token_ids(tok, model), pad_token_id=tok.pad_token_id,
-                          temperature=g.temperature, engine="fast", int8=int8)  # fmt: skip
-            times[name].append(time.time() - t)
-            fast.CalibratingLinear.int8 = smoothed
-            if r == 0:
-                with torch.no_grad():
-                    lp, _ = completion_logprobs(model, ro.prompt_ids, ro.prompt_mask,
-                                                ro.completion_ids, ro.completion_mask,
-                                                g.temperature)  # fmt: skip
-                m = ro.completion_mask.float()
-                d = (lp - ro.sampling_logps) * m
-                n = m.sum()
-                k3 = (torch.expm1(d) - d) * m
-                print(f"{name}: {int(n)} tokens, mean |log pi - log mu| "
-                      f"{float(d.abs().sum() / n):.4f}, max {float(d.abs().max()):.3f}, "
-                      f"KL k1 {float(-d.sum() / n):.4f}, k3 {float(k3.sum() / n):.4f}, "
-                      f"weight > 2 {float(((d > math.log(2)) * m).sum() / n):.4f}",
-                      flush=True)  # fmt: skip
-    med = {k: statistics.median(v) for k, v in times.items()}
-    print(
-        f"sampling call, 1 thread, medians of {a.repeats}: "
-        + ", ".join(f"{k} {v:.2f} s ({med['float32'] / v:.2f}x)" for k, v in med.items())
-    )
+    sets = [*a.set, "grpo.async_rollouts=true", f"grpo.steps={a.steps}", "grpo.eval_every=0",
+            "data.num_select=0", f"output_dir={a.work}"]  # fmt: skip
+    cfg = load_config(a.config, sets)
+    trainer = Trainer(cfg, _policy(a.config, a.set), Path(a.work) / "grpo")
+    seen: list[tuple[int, int, int]] = []
+
+    def record(done: int, _steps: int, finished: bool) -> None:
+        if finished or trainer.rollouts is None:
+            return
+        pid = trainer.rollouts.proc.pid
+        seen.append((len(os.listdir("/proc/self/fd")), len(os.listdir(f"/proc/{pid}/fd")),
+                     shutil.disk_usage("/dev/shm").used))  # fmt: skip
+
+    trainer.train(progress=False, on_step=record)
+    half = len(seen) // 2
+    for name, i in (("learner fds", 0), ("sampler fds", 1), ("/dev/shm bytes", 2)):
+        first, second = [x[i] for x in seen[:half]], [x[i] for x in seen[half:]]
+        print(
+            f"{name}: steps 1-{half} min {min(first)} max {max(first)}; steps "
+            f"{half + 1}-{len(seen)} min {min(second)} max {max(second)}",
+            flush=True,
+        )
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["speed", "learning", "sampler"])
+    p.add_argument("what", choices=["speed", "learning", "resources"])
     p.add_argument("--config", help="default: the embedded tiny run")
     p.add_argument("--set", action="append", default=[], help="config override, KEY=VALUE")
     p.add_argument("--steps", type=int, default=6)
@@ -247,13 +221,11 @@ def main() -> None:
                    help="learning: this mode again, for as many steps as fit in the first "
                    "mode's time")  # fmt: skip
     p.add_argument("--work", help="where the runs go (speed, learning)")
-    p.add_argument(
-        "--reference", action="store_true", help="speed, sampler: from the SFT reference"
-    )
+    p.add_argument("--reference", action="store_true", help="speed: from the SFT reference")
     a = p.parse_args()
-    if a.what != "sampler" and not a.work:
+    if not a.work:
         p.error(f"{a.what} needs --work")
-    {"speed": speed, "learning": learning, "sampler": sampler}[a.what](a)
+    {"speed": speed, "learning": learning, "resources": resources}[a.what](a)
 
 
 if __name__ == "__main__":

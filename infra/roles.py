@@ -17,6 +17,16 @@ after MLflow's own, on who the already-authenticated user is:
 The server, not the client, records who did it: a version gets `registered_by` when created
 and `promoted_by` when a protected alias is set on it, from the authenticated user name.
 
+Reserved version tags, so that the record a promotion is judged by cannot be forged:
+- `registered_by`, `promoted_by`: the server's word; no account but the admin sets or
+  deletes them, on any version or in a version's create request.
+- `gate/*`, `approval/*`, `promotion`: the word of the pipeline that registered the version
+  (its gate, then its approval flow): set only by the account the server recorded as
+  `registered_by`, so no other trainer can rewrite another's evidence or decision.
+- `manual/<protected alias>` (what `grpo promote` writes): only accounts that may move it.
+- none is deleted by anyone but the admin.
+The pipeline relies on no run tag for promotion (the gate re-reads metrics it paired itself).
+
 Roles live in MLflow's own auth database (roles `reader`, `trainer`, `approver` with grants on
 every experiment and registered model), so MLflow's permission checks and this one agree.
 """
@@ -43,18 +53,84 @@ _APPROVER_ONLY = {
     ("registered-models/rename", "POST"), ("model-versions/transition-stage", "POST"),
 }  # fmt: skip
 ALIAS_PATH = "registered-models/alias"
+SERVER_TAGS = ("registered_by", "promoted_by")
+PIPELINE_TAG_PREFIXES = ("gate/", "approval/")
+PIPELINE_TAGS = ("promotion",)
+VERSION_TAG_PATHS = ("model-versions/set-tag", "model-versions/delete-tag")
 
 
-def refusal(role: str, method: str, path: str, args: dict[str, Any]) -> str | None:
+def reserved_tag(key: str) -> str | None:
+    """Which reserved kind a model-version tag key is: "server", "pipeline", "manual" (a
+    protected alias's manual record) or None for a tag any editor may write."""
+    if key in SERVER_TAGS:
+        return "server"
+    if key in PIPELINE_TAGS or key.startswith(PIPELINE_TAG_PREFIXES):
+        return "pipeline"
+    if key in {f"manual/{a}" for a in PROTECTED_ALIASES}:
+        return "manual"
+    return None
+
+
+def _tag_refusal(
+    role: str, user: str, key: str, delete: bool, registrant: str | None
+) -> str | None:
+    kind = reserved_tag(key)
+    if kind is None:
+        return None
+    if delete:
+        return f"tag {key!r} is reserved: only the server's admin deletes it"
+    if kind == "server":
+        return f"tag {key!r} is reserved: only the server writes it"
+    if kind == "manual":
+        if role == "approver":
+            return None
+        return f"tag {key!r} is reserved for approver accounts (it records moving @champion)"
+    if registrant is None or registrant != user:
+        return (
+            f"tag {key!r} is reserved for the account that registered this version "
+            f"({registrant or 'unknown'}), whose pipeline's gate and approval write it"
+        )
+    return None
+
+
+def refusal(
+    role: str,
+    method: str,
+    path: str,
+    args: dict[str, Any],
+    *,
+    user: str = "",
+    registrant: str | None = None,
+) -> str | None:
     """Why `role` may not make this request (None: it may, as far as roles go; MLflow's own
-    permission check has already passed). `path` is the request path, `args` its JSON body or
-    query arguments. Pure, so that the whole matrix is unit-tested without a server."""
-    if role in ("admin", "approver"):
+    permission check has already passed). Pure, so that the whole matrix is unit-tested
+    without a server.
+
+    Args:
+        role: the account's role (role_from).
+        method: the HTTP method.
+        path: the request path.
+        args: its JSON body or query arguments.
+        user: the authenticated account name.
+        registrant: the `registered_by` tag of the version a set-tag names (None: none).
+    """
+    if role == "admin":
         return None
     m = _API.match(path)
     if path == "/graphql" or m is None:
         return None  # the UI's pages and GraphQL queries read
     endpoint = m.group(1)
+    if role != "reader" and endpoint in VERSION_TAG_PATHS:
+        delete = endpoint.endswith("delete-tag")
+        if why := _tag_refusal(role, user, str(args.get("key", "")), delete, registrant):
+            return why
+    if role != "reader" and endpoint == "model-versions/create":
+        for tag in args.get("tags") or []:
+            key = str(tag.get("key", "")) if isinstance(tag, dict) else ""
+            if reserved_tag(key) == "server":
+                return f"tag {key!r} is reserved: only the server writes it"
+    if role == "approver":
+        return None
     write = method in ("PUT", "PATCH", "DELETE") or (
         method == "POST" and not _READ_POSTS.search(endpoint)
     )
@@ -115,7 +191,12 @@ def _check_role() -> Any:
     auth = request.authorization
     if auth is None or not auth.username:
         return None  # MLflow answered already (401) or the route is unauthenticated
-    why = refusal(role_of(auth.username), request.method, request.path, _request_args())
+    args = _request_args()
+    registrant = None
+    if request.path.endswith(VERSION_TAG_PATHS) and reserved_tag(str(args.get("key", ""))):
+        registrant = _registrant(args.get("name"), args.get("version"))
+    why = refusal(role_of(auth.username), request.method, request.path, args,
+                  user=auth.username, registrant=registrant)  # fmt: skip
     if why is None:
         return None
     resp = jsonify(error_code="PERMISSION_DENIED", message=f"{auth.username}: {why}")
@@ -141,6 +222,21 @@ def _record_identity(response: Any) -> Any:
         if args.get("alias") in PROTECTED_ALIASES:
             _tag(args.get("name"), args.get("version"), "promoted_by", auth.username)
     return response
+
+
+def _registrant(name: Any, version: Any) -> str | None:
+    """The account the server recorded as having registered a version (None: no such
+    version, or registered with no server recording it)."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.server.handlers import _get_model_registry_store
+
+    if not name or not version:
+        return None
+    try:
+        mv = _get_model_registry_store().get_model_version(str(name), str(version))
+    except MlflowException:
+        return None
+    return mv.tags.get("registered_by")
 
 
 def _tag(name: str | None, version: str | None, key: str, value: str) -> None:

@@ -100,14 +100,16 @@ def log_checkpoint_models(
     final: tuple[int, str], dataset: tuple[str, str],
 ) -> list[dict[str, Any]]:  # fmt: skip
     """The evaluated checkpoints (the run's snapshots/, grpo.checkpoint_models) as logged models
-    of the run, each with its step, and every evaluated model's in-run accuracy linked to it
+    of the run, each with its step, and every evaluated model's in-run accuracy (on the
+    selection split when the run has one: grpo.eval.selection.curve_key) linked to it
     (model_id, the in-run set as the dataset) so that the experiment's Models tab lists them
     with it. `final` is the run's own model (step, URI), logged already: linked, not logged
     again. Returns [{step, model_uri, accuracy}] in step order."""
     from grpo.engine.run_files import SNAPSHOTS
+    from grpo.eval.selection import CHECKPOINT_KEYS, curve_key
 
-    accuracy = {r["step"]: r["eval/inrun_subset_accuracy"] for r in rows
-                if "eval/inrun_subset_accuracy" in r}  # fmt: skip
+    key = curve_key(rows)
+    accuracy = {r["step"]: r[key] for r in rows if key in r}
     models = []
     for snap in sorted((out / SNAPSHOTS).glob("step-*")):
         step = int(snap.name.removeprefix("step-"))
@@ -117,7 +119,7 @@ def log_checkpoint_models(
     for m in models:
         if m["accuracy"] is not None:
             client.log_metric(
-                run_id, "checkpoint/inrun_subset_accuracy", m["accuracy"], step=m["step"],
+                run_id, CHECKPOINT_KEYS[key], m["accuracy"], step=m["step"],
                 model_id=m["model_uri"].removeprefix("models:/"), dataset_name=dataset[0],
                 dataset_digest=dataset[1],
             )  # fmt: skip

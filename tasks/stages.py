@@ -235,8 +235,10 @@ def train_policy(
             c.set_tag(run_id, "selection.step", str(selection["selected_step"]))
             c.set_tag(run_id, "selection.rule", selection["rule"])
             c.log_dict(run_id, selection, "selection/grpo.json")
-        inrun = f"{cfg.eval.sets[0]}[:{summary.get('inrun_subset_size', 0)}]" if (
-            cfg.eval.sets) else "none"  # fmt: skip
+        # the curve checkpoints are linked to: the selection split when there is one
+        inrun = f"select[:{summary.get('inrun_subset_size', 0)}]" if selection else (
+            f"{cfg.eval.sets[0]}[:{summary.get('inrun_subset_size', 0)}]" if cfg.eval.sets
+            else "none")  # fmt: skip
         checkpoints = log_checkpoint_models(
             c,
             run_id,
@@ -246,9 +248,8 @@ def train_policy(
             final=(step, model_uri),
             dataset=(inrun, cfg.digest("eval", "data")),
         )
-        # the registered model is the last step's: choosing the best checkpoint on these
-        # problems would bias the gate's paired test on the same held-out set, and favour
-        # GRPO over its control, which has no such choice (docs/OPERATIONS.md, promotion)
+        # the registered model is policy/: the step selected on the selection split when there
+        # is one (never on a test set, which would bias the gate's paired test), else the last
         c.set_tag(run_id, "checkpoint_models", ", ".join(
             f"step {m['step']}: {m['model_uri']}" for m in checkpoints))  # fmt: skip
         if (out / ADAPTER_DIR).is_dir():  # LoRA: the model above is merged; keep the adapter

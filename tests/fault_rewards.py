@@ -62,3 +62,8 @@ def overflow_on_rank1_from_step2(completions, **kw):
     if os.environ.get("RANK") == "1" and _calls["rank1"] > 1:
         return overflow(completions)
     return [float(i % 2) for i in range(len(completions))]
+
+
+def alternating(completions, **kw):
+    # every group has a spread of rewards, so every step moves the weights
+    return [float(i % 2) for i in range(len(completions))]

@@ -71,7 +71,8 @@ def truncated_token_logprobs(
     """log pi(ids) under softmax(logits / temperature) truncated by top-k then top-p (the
     distribution a sampler with those settings draws from), and whether each id lies outside
     that truncation [B, T] bool. Which tokens are kept is decided without a gradient; an id
-    outside gets z_id - logsumexp(kept), finite, for the caller to mask.
+    outside is scored over the kept set and itself (z_id - logsumexp(kept + id)): a
+    probability, so the caller keeps it in the loss and counts it.
 
     logits: [B, T, V]; ids: [B, T]. Makes float32 [B, T, V] copies: for the update's micro-batch
     of a small vocabulary model, not for a large one's whole batch.
@@ -90,7 +91,11 @@ def truncated_token_logprobs(
     with torch.no_grad():
         kept = torch.isfinite(filter_logits(z.detach().reshape(-1, v), top_k, top_p))
         kept = kept.view(z.shape)
+        outside = ~kept.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+        # the drawn token is in the sampler's truncation: where this forward's truncation left
+        # it out (the two disagree at the edge), it joins the kept set, so the token stays in
+        # the loss with a probability that is one
+        kept.scatter_(-1, ids.unsqueeze(-1), True)
     picked = z.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     lse = torch.logsumexp(z.masked_fill(~kept, float("-inf")), dim=-1)
-    outside = ~kept.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     return picked - lse, outside

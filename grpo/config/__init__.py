@@ -88,7 +88,8 @@ def switched_off_error(cfg: Config) -> str | None:
          "sampler_dtype"}), "grpo",
          "grpo.async_rollouts=true"),
         (not g.rollout_correction, _changed(g, {"rollout_correction_level",
-         "rollout_correction_mode", "rollout_correction_threshold"}), "grpo",
+         "rollout_correction_mode", "rollout_correction_threshold",
+         "rollout_correction_min_threshold"}), "grpo",
          "grpo.rollout_correction=true"),
     ]  # fmt: skip
     for off, given, section, switch in rules:
@@ -147,13 +148,6 @@ class Config(Strict):
                 "grpo.async_rollouts with deepspeed.zero_stage 3 is refused: the sampler process "
                 "needs the whole weights after every update, which ZeRO-3 shards; use zero_stage "
                 "0, 1 or 2"
-            )
-        if self.grpo.sampler_dtype == "int8" and (
-            self.model.generation_engine == "hf" or self.device == "cuda"
-        ):
-            raise ValueError(
-                "grpo.sampler_dtype int8 needs the fast generation engine on the CPU (torch's "
-                "int8 matmuls are CPU kernels); on GPUs use bfloat16"
             )
         if self.eval.pass_k and self.eval.samples > 1:
             raise ValueError(

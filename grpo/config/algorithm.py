@@ -90,8 +90,12 @@ class GRPOConfig(Strict):
         "vllm_importance_sampling_correction, verl rollout_is); the mismatch is logged "
         "either way (mismatch/*)",
     )
-    rollout_correction_level: Literal["token", "sequence"] = Field(
-        "token", description="a weight per token, or each sequence's geometric-mean weight"
+    rollout_correction_level: Literal["token", "sequence", "geometric"] = Field(
+        "token",
+        description="a weight per token (token), the product of a sequence's token weights on "
+        "all its tokens (sequence: TRL's sequence_* modes, verl's sequence level), or their "
+        "geometric mean (geometric: ours, the same weight for any length at the same per-token "
+        "mismatch)",
     )
     rollout_correction_mode: Literal["truncate", "mask"] = Field(
         "truncate",
@@ -99,8 +103,13 @@ class GRPOConfig(Strict):
         "is masked out (MIS, IcePop)",
     )
     rollout_correction_threshold: float = Field(
-        2.0, gt=1, description="C: the largest importance weight kept (TRL's cap, verl's "
+        2.0, gt=1, description="C_max: the largest importance weight kept (TRL's "
+        "vllm_importance_sampling_clip_max, also read under its deprecated name _cap; verl's "
         "rollout_is_threshold)",
+    )  # fmt: skip
+    rollout_correction_min_threshold: float | None = Field(
+        None, gt=0, lt=1, description="C_min: the smallest importance weight kept, truncated up "
+        "to it or masked below it (TRL's vllm_importance_sampling_clip_min); none by default",
     )  # fmt: skip
     async_rollouts: bool = Field(
         False,
@@ -112,16 +121,16 @@ class GRPOConfig(Strict):
     )
     max_staleness: int = Field(
         1,
-        ge=1,
+        ge=0,
         description="async_rollouts: each step trains on groups sampled with the weights of "
-        "exactly this many updates before (fewer in the first steps); TRL's max_staleness",
+        "exactly this many updates before (fewer in the first steps); TRL's max_staleness. 0: "
+        "the sampler process samples each step with the current weights while the learner "
+        "waits, bit-identical to the synchronous loop (a check of the async machinery)",
     )
-    sampler_dtype: Literal["model", "float32", "bfloat16", "float16", "int8"] = Field(
+    sampler_dtype: Literal["model", "float32", "bfloat16", "float16"] = Field(
         "model",
         description="async_rollouts: the sampler's weights in this dtype (model: model.dtype); "
-        "int8 (CPU, the fast engine): every decoding matmul in int8, smoothed per channel, "
-        "1.6-1.8x faster sampling on SmolLM2 but it learned worse from it at both learning "
-        "rates tried (benchmarks/ASYNC.md); bfloat16 for GPUs "
+        "bfloat16 for GPUs "
         "(slower on CPUs without bf16 kernels, benchmarks/BF16.md); rollout_correction "
         "weights the mismatch",
     )
@@ -200,6 +209,15 @@ class GRPOConfig(Strict):
         return self.top_k > 0 or self.top_p < 1.0
 
     @property
+    def scores_truncated(self) -> bool:
+        """The trainer scores its tokens over the sampler's truncated distribution only where
+        its log-probs meet the sampler's in a ratio: the rollout correction, or pi_old taken
+        from the sampler. Otherwise top-k/top-p shape sampling only, as in TRL."""
+        return self.truncates and (
+            self.rollout_correction or (self.old_logprobs == "sampler" and self.mu > 1)
+        )
+
+    @property
     def uses_reference(self) -> bool:
         """The one decision whether a frozen reference model is loaded and the KL term is in
         the loss: only for beta > 0."""
@@ -252,7 +270,8 @@ class GRPOConfig(Strict):
                 f"{self.prompts_per_step * self.num_generations:,} completions a step, more "
                 f"than {MAX_BATCH:,}"
             )
-        if self.async_rollouts and "rollout_correction" not in self.model_fields_set:
+        if (self.async_rollouts and self.max_staleness > 0
+                and "rollout_correction" not in self.model_fields_set):  # fmt: skip
             # stale rollouts are off-policy: corrected unless the user says otherwise
             object.__setattr__(self, "rollout_correction", True)
         if self.rollout_correction and self.mu > 1 and self.old_logprobs == "sampler":

@@ -29,9 +29,12 @@ TRL_ALIASES: dict[str, str] = {
     "sapo_temperature_neg": "sapo_tau_neg",
     "vllm_importance_sampling_correction": "rollout_correction",
     "vllm_importance_sampling_cap": "rollout_correction_threshold",
+    "vllm_importance_sampling_clip_max": "rollout_correction_threshold",
+    "vllm_importance_sampling_clip_min": "rollout_correction_min_threshold",
 }
 
-# TRL's vllm_importance_sampling_mode names a level and a mode in one value
+# TRL's vllm_importance_sampling_mode names a level and a mode in one value; TRL's sequence
+# level is the product of the token ratios, our rollout_correction_level sequence as well
 TRL_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 # TRL's loss_type values that are objectives here: loss_type -> (policy_objective, loss_type).
@@ -98,6 +101,9 @@ def rename_trl_keys(data: dict[str, Any]) -> dict[str, Any]:
             out["cispo_max_weight"] = out.pop("epsilon_high")
     for trl, ours in TRL_ALIASES.items():
         if trl in out:
+            if out[trl] is None and ours == "rollout_correction_threshold":
+                raise TRLNameError(f"{trl}: None (no upper bound) is not supported here; give "
+                                   "a number > 1 (TRL's default is 3.0)")  # fmt: skip
             if ours in out:
                 raise TRLNameError(f"{trl!r} and {ours!r} are the same setting; give one")
             out[ours] = out.pop(trl)

@@ -59,14 +59,22 @@ def split_threads(total: int, sampler_threads: int) -> tuple[int, int]:
 
 
 def trainable_weights(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The weights an update changes (a LoRA policy's adapters only), copied into shared
-    memory: the sampler maps them without another copy, and the learner may go on updating."""
+    """Shared-memory buffers for the weights an update changes (a LoRA policy's adapters only),
+    filled with their values: the sampler maps them without another copy."""
     out = {}
     for name, p in policy.named_parameters():
         if p.requires_grad:
             t = torch.empty(p.shape, dtype=p.dtype).share_memory_()
             out[name] = t.copy_(p.detach())
     return out
+
+
+def fill_weights(buffers: dict[str, torch.Tensor], policy: torch.nn.Module) -> None:
+    """Copy the policy's current trainable weights into buffers made by trainable_weights."""
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if p.requires_grad:
+                buffers[name].copy_(p.detach())
 
 
 class AsyncRollouts:
@@ -82,6 +90,10 @@ class AsyncRollouts:
         world: int, threads: int, start: int, ahead: dict[int, Any] | None = None,
     ) -> None:  # fmt: skip
         self.k, self.steps, self.rank = cfg.grpo.max_staleness, cfg.grpo.steps, rank
+        # at most k steps are in flight (one with k = 0), step s in slot s % len(slots): each
+        # slot's shared memory is made and sent to the sampler once, then refilled, so memory
+        # and file descriptors stay flat however long the run
+        self.slots = [trainable_weights(policy) for _ in range(max(self.k, 1))]
         ctx = torch.multiprocessing.get_context("spawn")  # no forked copy of torch's threads
         self.commands, self.results = ctx.Queue(), ctx.Queue()
         self.proc = ctx.Process(
@@ -90,23 +102,29 @@ class AsyncRollouts:
                   self.results),
         )  # fmt: skip
         self.proc.start()
+        self.commands.put(("slots", self.slots))
         self.ready: dict[int, Any] = dict(ahead or {})
-        self.sent: dict[int, dict[str, torch.Tensor]] = {}  # alive until their step comes back
+        self.sent: set[int] = set()  # their slots are in use until their step comes back
         for s in range(start, min(start + self.k, self.steps)):
             if s not in self.ready:  # a fresh run, or a checkpoint written without async
                 self._request(s, start, policy)
 
     def _request(self, step: int, version: int, policy: torch.nn.Module) -> None:
-        self.sent[step] = trainable_weights(policy)
-        self.commands.put((step, version, self.sent[step]))
+        slot = step % len(self.slots)
+        fill_weights(self.slots[slot], policy)
+        self.sent.add(step)
+        self.commands.put((step, version, slot))
 
     def get(self, step: int, policy: torch.nn.Module) -> tuple[Sampled, dict[str, Any], int]:
         """Step's groups, the reward functions' logged metrics and the weights' staleness
-        (updates since they sampled); then step + k is asked for with policy's weights."""
+        (updates since they sampled); then step + k is asked for with policy's weights
+        (k = 0: step itself is asked for first, with the weights of every update so far)."""
+        if self.k == 0 and step not in self.ready and step not in self.sent:
+            self._request(step, step, policy)
         while step not in self.ready:
             self._receive(step)
         sampled, metrics, version, seconds = self.ready.pop(step)
-        if step + self.k < self.steps:  # the policy now holds weights_version(step + k)
+        if self.k and step + self.k < self.steps:  # the policy holds weights_version(step + k)
             self._request(step + self.k, weights_version(step + self.k, self.k), policy)
         metrics = {**metrics, "time/sampler": seconds}
         return sampled, metrics, step - version
@@ -132,7 +150,7 @@ class AsyncRollouts:
         if item[0] == "error":
             raise RolloutSamplerError(item[1])
         _, s, sampled, metrics, version, seconds = item
-        self.sent.pop(s, None)
+        self.sent.discard(s)
         self.ready[s] = (sampled, metrics, version, seconds)
 
     def close(self) -> None:
@@ -155,6 +173,7 @@ def sampler_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
     step = -1
+    slots: list[dict[str, torch.Tensor]] = []
     try:
         # no DeepSpeed here: the sampler's gathering of weights is ZeRO-3's, refused with async
         sample = _sampler(cfg, policy_dir, rank, world)
@@ -167,10 +186,12 @@ def sampler_main(
                 continue
             if cmd is None:
                 return
-            step, version, weights = cmd
+            if cmd[0] == "slots":  # the shared buffers, mapped once
+                slots = cmd[1]
+                continue
+            step, version, slot = cmd
             t0 = time.time()
-            sampled, metrics = sample(step, weights)
-            del weights
+            sampled, metrics = sample(step, slots[slot])
             results.put(("done", step, sampled, metrics, version, time.time() - t0))
     except Exception as e:  # noqa: BLE001 - any failure goes to the learner as one line
         results.put(("error", f"rollout sampler of rank {rank}, step {step + 1}: "
@@ -188,8 +209,7 @@ def _sampler(cfg: Config, policy_dir: str, rank: int, world: int) -> Any:
 
     device = device_for(cfg)
     tok = load_tokenizer(policy_dir)
-    # int8: the weights stay in model.dtype here, the fast sampler packs them per step
-    own = cfg.grpo.sampler_dtype not in ("model", "int8")
+    own = cfg.grpo.sampler_dtype != "model"
     dtype = cfg.grpo.sampler_dtype if own else cfg.model.dtype
     model = load_model(policy_dir, dtype).to(device)  # each step's weights are cast to it
     if cfg.model.lora.enabled:  # the adapters' values come with every step's weights

@@ -34,15 +34,25 @@ from grpo.engine.schedules import lr_lambda
 from grpo.engine.scoring import RewardScorer, token_advantages
 from grpo.engine.update import UpdatePlan, update_policy
 from grpo.eval.run import generate_for_rows
-from grpo.eval.selection import SELECTION_FILE, Selection
+from grpo.eval.selection import INRUN_KEY, SELECT_KEY, SELECTION_FILE, Selection
 from grpo.models import lora
 from grpo.models.generate import Rollout, resolve_engine
 from grpo.models.loading import device_for, eos_token_ids, load_model, load_tokenizer
 from grpo.progress import progress_bar
 
-INRUN_KEY = "eval/inrun_subset_accuracy"  # a subset of the first held-out set: a curve only
-SELECT_KEY = "select/accuracy"  # the selection split: the best step is kept
-BEST_DIR, LAST_DIR = "best", "policy_last"
+LAST_DIR = "policy_last"
+
+
+def best_dir(out: Path, step: int) -> Path:
+    """Where the weights of a selected step are kept: the name records the step they hold."""
+    return out / f"best-{step:06d}"
+
+
+def prune_best(out: Path, keep: set[int]) -> None:
+    """Remove the kept best weights of every step but `keep`'s."""
+    for d in out.glob("best-*"):
+        if d.is_dir() and int(d.name.removeprefix("best-")) not in keep:
+            shutil.rmtree(d)
 
 
 def replace_dir(src: Path, dst: Path) -> None:
@@ -70,7 +80,10 @@ class Trainer:
         self.policy_dir = policy_dir
         self.rollouts: AsyncRollouts | None = None
         self.sampler_threads = 0
-        if g.async_rollouts:  # the sampler process takes its share of the rank's threads
+        if g.async_rollouts and g.max_staleness == 0:
+            # one process runs at a time: each keeps every thread, as the synchronous loop does
+            self.sampler_threads = g.sampler_threads or torch.get_num_threads()
+        elif g.async_rollouts:  # the sampler process takes its share of the rank's threads
             learner, self.sampler_threads = split_threads(torch.get_num_threads(),
                                                           g.sampler_threads)  # fmt: skip
             torch.set_num_threads(learner)
@@ -134,8 +147,11 @@ class Trainer:
         g = self.cfg.grpo
         report = on_step if on_step is not None and self.rank == 0 else lambda *_: None
         start = self.files.open(self.engine, resume)
+        self.checkpointed = start
         if self.eval_key == SELECT_KEY:
             self.selection = Selection.resumed(self.out / SELECTION_FILE, start)
+            if self.rank == 0:
+                self._reconcile_best(start)
         bar = progress_bar(g.steps, "grpo", "step", enabled=progress and not self.rank,
                            initial=start)  # fmt: skip
         if start == 0 and self.eval_rows:
@@ -172,7 +188,7 @@ class Trainer:
         save_policy(self.engine, self.tok, self.out / LAST_DIR, self.rank,
                     self.cfg.deepspeed.zero_stage)  # fmt: skip
         if self.rank == 0:
-            replace_dir(self.out / BEST_DIR, self.out / "policy")
+            replace_dir(best_dir(self.out, self.selection.best()[0]), self.out / "policy")
             summary["selection"] = self.selection.summary(g.steps)
             (self.out / "selection_summary.json").write_text(
                 json.dumps(summary["selection"], indent=1)
@@ -196,6 +212,8 @@ class Trainer:
             if (step + 1) % g.checkpoint_every == 0 or step + 1 == g.steps:
                 ahead = self.rollouts.ahead() if self.rollouts is not None else None
                 self.files.save_checkpoint(self.engine, step + 1, ahead)
+                self.checkpointed = step + 1
+                self._prune_best()
                 if evaluated and g.checkpoint_models and step + 1 < g.steps:
                     self.files.save_snapshot(self.engine, self.tok, step + 1,
                                              self.cfg.deepspeed.zero_stage)  # fmt: skip
@@ -206,15 +224,44 @@ class Trainer:
         return last
 
     def _select(self, step: int, accuracy: float) -> None:
-        """Record a selection-split accuracy; a new best's weights go to best/."""
+        """Record a selection-split accuracy; a new best's weights go to best-<step>/."""
         if self.selection is None:
             return
         new_best = self.selection.record(step, accuracy)
         if new_best:
-            save_policy(self.engine, self.tok, self.out / BEST_DIR, self.rank,
+            save_policy(self.engine, self.tok, best_dir(self.out, step), self.rank,
                         self.cfg.deepspeed.zero_stage)  # fmt: skip
         if self.rank == 0:  # after the weights: a resume never trusts a best not yet written
             self.selection.save(self.out / SELECTION_FILE)
+            self._prune_best()
+
+    def _prune_best(self) -> None:
+        """Keep the weights of the current best and of the best a resume from the last
+        checkpoint would select (its curve is trimmed to that step, so a best selected after
+        it may be redone differently); remove the others."""
+        if self.selection is None or self.rank != 0 or not self.selection.curve:
+            return
+        resumable = Selection([p for p in self.selection.curve if p[0] <= self.checkpointed])
+        keep = {self.selection.best()[0]}
+        if resumable.curve:
+            keep.add(resumable.best()[0])
+        prune_best(self.out, keep)
+
+    def _reconcile_best(self, start: int) -> None:
+        """On resume: the kept weights are those of the step the trimmed curve selects; any
+        best selected after the checkpoint is removed (its step is redone)."""
+        assert self.selection is not None
+        if not self.selection.curve:
+            prune_best(self.out, set())
+            return
+        step = self.selection.best()[0]
+        if not best_dir(self.out, step).is_dir():
+            raise RuntimeError(
+                f"{self.out}: resuming at step {start}, the selection curve selects step {step} "
+                f"but {best_dir(self.out, step).name}/ is missing; start the run again without "
+                "--resume"
+            )
+        prune_best(self.out, {step})
 
     def step(self, step: int) -> dict[str, float]:
         """One GRPO step on this rank; returns its metrics (reduced over ranks)."""

@@ -78,7 +78,7 @@ def sample_step(
                 num_generations=g.num_generations, max_completion_length=g.max_completion_length,
                 eos_token_id=eos_ids, pad_token_id=tok.pad_token_id,
                 temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
-                engine=cfg.model.generation_engine, int8=g.sampler_dtype == "int8",
+                engine=cfg.model.generation_engine,
             )  # fmt: skip
         round_texts = tok.batch_decode(ro.completion_ids, skip_special_tokens=True)
         sc = scorer(ro, rows, round_texts, step)

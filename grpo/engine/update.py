@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from grpo.algo.loss import LOSS_AGGREGATIONS, policy_loss
-from grpo.algo.rollout_correction import correction_weights, mismatch_metrics
+from grpo.algo.rollout_correction import correction_weights, mismatch_metrics, ratio_stats
 from grpo.config import GRPOConfig
 from grpo.engine.distributed import all_reduce_dict
 from grpo.models.forward import completion_logprobs
@@ -86,7 +86,7 @@ class _PassState:
 def metric_keys(g: GRPOConfig) -> tuple[str, ...]:
     return (POLICY_METRICS + (("kl", "clamp/k3_frac") if g.uses_reference else ())
             + (CORRECTION_METRICS if g.rollout_correction else ())
-            + (("truncation/outside_frac",) if g.truncates else ()))  # fmt: skip
+            + (("truncation/outside_frac",) if g.scores_truncated else ()))  # fmt: skip
 
 
 def loss_mask(ro: Rollout, mask_truncated: bool) -> torch.Tensor:
@@ -151,6 +151,8 @@ def update_policy(
     rows = trained_rows(g, adv, mask)
     keys = metric_keys(g)
     sums: dict[str, float] = {"_w": 0.0, "loss": 0.0, "nonfinite_losses": 0.0}
+    # the applied importance weights, as TRL summarises them (ratio_stats)
+    ratio = {"n": 0.0, "sum": 0.0, "min": float("inf"), "max": float("-inf")}
     skipped = 0  # optimizer steps skipped for a non-finite loss (the same on every rank)
     grad_norms: list[float] = []
     # pi_old: the sampler's log-probs, replaced row by row by the first pass's own forward
@@ -184,6 +186,10 @@ def update_policy(
             else:
                 engine.step()
             w = m.pop("_w", 0.0)
+            if (r := m.pop("_ratio", None)) is not None:
+                ratio = {"n": ratio["n"] + r["n"], "sum": ratio["sum"] + r["sum"],
+                         "min": min(ratio["min"], r["min"]),
+                         "max": max(ratio["max"], r["max"])}  # fmt: skip
             for k in keys:
                 sums[k] = sums.get(k, 0.0) + m.get(k, 0.0) * w
             sums["_w"] += w
@@ -206,6 +212,16 @@ def update_policy(
     out["mismatch/kl_k1"] = tot["_kl_k1"] / max(tot["_gap_tokens"], 1.0)
     out["mismatch/kl_k3"] = tot["_kl_k3"] / max(tot["_gap_tokens"], 1.0)
     out["logprob_gap/max"] = all_reduce_dict({"max": gap.largest}, plan.device, "max")["max"]
+    # TRL's names for the same measures, so a TRL user's dashboard reads these runs
+    out["sampling/sampling_logp_difference/mean"] = out["logprob_gap/mean"]
+    out["sampling/sampling_logp_difference/max"] = out["logprob_gap/max"]
+    if g.rollout_correction:
+        n_sum = all_reduce_dict({"n": ratio["n"], "sum": ratio["sum"]}, plan.device)
+        hi = all_reduce_dict({"max": ratio["max"], "neg_min": -ratio["min"]}, plan.device, "max")
+        if n_sum["n"] > 0:
+            out["sampling/importance_sampling_ratio/min"] = -hi["neg_min"]
+            out["sampling/importance_sampling_ratio/mean"] = n_sum["sum"] / n_sum["n"]
+            out["sampling/importance_sampling_ratio/max"] = hi["max"]
     out["learning_rate"] = float(engine.get_lr()[0])
     return out
 
@@ -275,10 +291,11 @@ def _micro_loss(
     # trailing completion padding of all rows is cut; the forward itself reads real tokens only
     c = int(ro.completion_mask[idx].sum(1).max())
     mask = loss_mask[idx, :c]
-    # top-k/top-p sampling: pi over the same truncated distribution the sampler drew from, so
-    # that pi / mu compares like with like; a token outside this forward's own truncation (the
-    # two disagree at the edge) is left out of the loss and counted
-    trunc = (g.top_k, g.top_p) if g.truncates else None
+    # top-k/top-p sampling with the correction (or pi_old from the sampler): pi over the same
+    # truncated distribution the sampler drew from, so that pi / mu compares like with like; a
+    # token outside this forward's own truncation (the two disagree at the edge) is scored
+    # over the kept set and itself, stays in the loss and its normaliser, and is counted
+    trunc = (g.top_k, g.top_p) if g.scores_truncated else None
     outside = torch.zeros(mask.shape, dtype=torch.bool, device=mask.device) if trunc else None
     logps, entropy = completion_logprobs(
         engine, ro.prompt_ids[idx], ro.prompt_mask[idx], ro.completion_ids[idx, :c],
@@ -288,9 +305,7 @@ def _micro_loss(
     )  # fmt: skip
     n_outside = 0.0
     if outside is not None:
-        outside = outside.to(mask.device) & mask.bool()
-        n_outside = float(outside.sum())
-        mask = mask * (~outside).to(mask.dtype)
+        n_outside = float((outside.to(mask.device) & mask.bool()).sum())
     sampler = ro.sampling_logps[idx, :c]
     if state is not None and first_pass:
         state.gap.add(logps.detach(), sampler, mask)
@@ -305,6 +320,7 @@ def _micro_loss(
         is_w, over = correction_weights(
             old, sampler, mask, level=g.rollout_correction_level,
             mode=g.rollout_correction_mode, threshold=g.rollout_correction_threshold,
+            min_threshold=g.rollout_correction_min_threshold,
         )  # fmt: skip
     loss, m = policy_loss(
         logps, old, adv[idx, :c], mask,
@@ -320,10 +336,11 @@ def _micro_loss(
         n_tok = max(m["_w"], 1.0)
         m["entropy"] = float((entropy.detach() * mask).sum()) / n_tok
         if trunc is not None:
-            m["truncation/outside_frac"] = n_outside / max(n_outside + m["_w"], 1.0)
+            m["truncation/outside_frac"] = n_outside / n_tok
         if is_w is not None and over is not None:
             m["rollout_correction/weight_mean"] = float(is_w.sum()) / n_tok
             m["rollout_correction/over_threshold_frac"] = float(over.sum()) / n_tok
+            m["_ratio"] = ratio_stats(is_w, mask, g.rollout_correction_level)
     return loss, m
 
 

@@ -17,6 +17,22 @@ RULE = (
     "every test set); earliest step on ties; step 0 (the starting policy) included"
 )
 SELECTION_FILE = "selection.json"
+# the in-run accuracy's metric: on the selection split when there is one (the best step is
+# kept), else on a subset of the first held-out set (a curve only; the last step is kept)
+SELECT_KEY = "select/accuracy"
+INRUN_KEY = "eval/inrun_subset_accuracy"
+# the same accuracy linked to each checkpoint's logged model
+CHECKPOINT_KEYS = {SELECT_KEY: "checkpoint/select_accuracy",
+                   INRUN_KEY: "checkpoint/inrun_subset_accuracy"}  # fmt: skip
+
+
+def curve_key(rows: list[dict]) -> str:
+    """Which in-run accuracy a run's metric rows carry: SELECT_KEY when any row has it.
+
+    >>> curve_key([{"step": 0, "select/accuracy": 0.5}]), curve_key([{"step": 0}])
+    ('select/accuracy', 'eval/inrun_subset_accuracy')
+    """
+    return SELECT_KEY if any(SELECT_KEY in r for r in rows) else INRUN_KEY
 
 
 def best_of(curve: list[tuple[int, float]]) -> tuple[int, float]:

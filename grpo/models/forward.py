@@ -98,16 +98,24 @@ def _head_inputs(head: torch.nn.Module, store: list[torch.Tensor]) -> Iterator[N
 
 def _chunk(
     head: torch.nn.Module, h: torch.Tensor, ids: torch.Tensor, temperature: float,
-    entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """log pi and entropy of h's rows [t, D] (the entropy is zeros unless asked for)."""
+    entropy: bool, top_k: int = 0, top_p: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """log pi, entropy and outside-the-truncation (float 0/1) of h's rows [t, D] (the entropy
+    is zeros unless asked for). top_k > 0 or top_p < 1: log pi over that truncation of the
+    logits; the entropy stays the whole distribution's."""
+    if top_k > 0 or top_p < 1.0:
+        logits = head(h).unsqueeze(0)  # [1, t, V]
+        lp, out_of = truncated_token_logprobs(logits, ids.unsqueeze(0), temperature, top_k, top_p)
+        ent = token_entropy(logits, temperature)[0] if entropy else torch.zeros_like(lp[0])
+        return lp[0], ent, out_of[0].float()
     z = head(h).float() / temperature  # [t, V]
     lse = torch.logsumexp(z, dim=-1)
     logp = z.gather(1, ids.unsqueeze(1)).squeeze(1) - lse
+    none_outside = torch.zeros_like(logp.detach())
     if not entropy:
-        return logp, torch.zeros_like(logp)
+        return logp, torch.zeros_like(logp), none_outside
     p = torch.exp(z - lse.unsqueeze(1))
-    return logp, lse - (p * z).sum(-1)  # H = lse - E_p[z]
+    return logp, lse - (p * z).sum(-1), none_outside  # H = lse - E_p[z]
 
 
 def chunk_rows(tokens: int, vocab: int, budget_mib: float) -> int:
@@ -125,23 +133,29 @@ def chunk_rows(tokens: int, vocab: int, budget_mib: float) -> int:
 
 def head_logprobs(
     head: torch.nn.Module, h: torch.Tensor, ids: torch.Tensor, temperature: float,
-    chunk: int, entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """log pi(ids) and entropy [T] from final hidden states h [T, D], `chunk` rows at a time.
+    chunk: int, entropy: bool, truncation: tuple[int, float] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """log pi(ids), entropy and outside-the-truncation (bool) [T] from final hidden states
+    h [T, D], `chunk` rows at a time; truncation (top_k, top_p): log pi over that truncated
+    distribution.
 
     With gradients on, each chunk is checkpointed: its logits are freed after the forward and
-    recomputed in the backward, so at most chunk x V of them exist at once. chunk 0: all rows
-    at once, logits kept for the backward (cheaper when they are small: no recompute)."""
+    recomputed in the backward, so at most chunk x V of them exist at once (the truncation's
+    float32 copies too). chunk 0: all rows at once, logits kept for the backward (cheaper when
+    they are small: no recompute)."""
+    trunc = truncation or (0, 1.0)
     if chunk <= 0:
-        return _chunk(head, h, ids, temperature, entropy)
+        lp, ent, out_of = _chunk(head, h, ids, temperature, entropy, *trunc)
+        return lp, ent, out_of.bool()
     parts = []
     for s in range(0, h.shape[0], chunk):
-        args = (head, h[s : s + chunk], ids[s : s + chunk], temperature, entropy)
+        args = (head, h[s : s + chunk], ids[s : s + chunk], temperature, entropy, *trunc)
         if torch.is_grad_enabled():
             parts.append(checkpoint(_chunk, *args, use_reentrant=False, preserve_rng_state=False))
         else:
             parts.append(_chunk(*args))
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    return (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
+            torch.cat([p[2] for p in parts]).bool())  # fmt: skip
 
 
 def completion_logprobs(
@@ -181,13 +195,18 @@ def completion_logprobs(
             prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows]
         )
         targets = completion_ids[rows][completion_mask[rows].bool()]  # [T], row-major
-        if plain and truncation is None:
+        if plain:
             seen: list[torch.Tensor] = []
             with _head_inputs(head, seen):
                 model(input_ids=ids, attention_mask=attn, use_cache=False, logits_to_keep=0)
             h = seen[-1][tok_rows, pred]  # [T, D]
-            chunk = chunk_rows(h.shape[0], lm.config.vocab_size, logits_budget_mib)
-            lp, ent = head_logprobs(head, h, targets, temperature, chunk, entropy)
+            # the truncation makes three float32 copies of a chunk's logits: a third the rows
+            copies = 3 if truncation is not None else 1
+            chunk = chunk_rows(h.shape[0], lm.config.vocab_size, logits_budget_mib / copies)
+            lp, ent, out_of = head_logprobs(head, h, targets, temperature, chunk, entropy,
+                                            truncation)  # fmt: skip
+            if outside is not None and truncation is not None:
+                outside[rows[tok_rows], tok_cols] = out_of
         else:  # the model's own logits at every position: slower, and right for any head
             logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
             picked = logits[tok_rows, pred].unsqueeze(0)  # [1, T, V]

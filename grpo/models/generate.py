@@ -12,7 +12,6 @@ trainer computes (TRL does the same; top-k/top-p truncation is not part of pi's 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, fields
 
 import torch
@@ -110,24 +109,20 @@ def generate(
     top_k: int = 0,
     do_sample: bool = True,
     engine: str = "auto",
-    int8: bool = False,
 ) -> Rollout:
     """G completions for each of the B0 left-padded prompts -> a Rollout of B0 * G rows.
 
     Rows of one prompt are contiguous (the layout group_advantages expects). eos_token_id: every
     id that ends a completion (models.loading.eos_token_ids); the first EOS ends the mask.
     engine: "fast" (grpo.models.sampler), "hf" (transformers generate) or "auto" (fast when
-    the architecture is supported, see resolve_engine). int8: the fast engine's matmuls in
-    int8 (grpo.models.sampler.Int8Linear).
+    the architecture is supported, see resolve_engine).
     """
     ids = prompt_ids.repeat_interleave(num_generations, 0)  # [N, P]: each prompt G times
     mask = prompt_mask.repeat_interleave(num_generations, 0)
     was_training = model.training
     model.eval()
     fast = resolve_engine(model, engine) == "fast"
-    if int8 and not fast:
-        raise ValueError("int8 sampling needs the fast generation engine")
-    sample = functools.partial(sampler.sample, int8=int8) if fast else _hf_generate
+    sample = sampler.sample if fast else _hf_generate
     comp, logps = sample(
         model, prompt_ids, prompt_mask, max_new_tokens=max_completion_length,
         eos_token_id=eos_token_id, pad_token_id=pad_token_id, temperature=temperature,

@@ -64,82 +64,9 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
 
-# SmoothQuant's migration strength: x / s and W * s with s = max|x_j|^a / max|W_j|^(1 - a)
-SMOOTH_ALPHA = 0.5
-
-
-class Int8Linear:
-    """x W^T + b with W in int8, one scale per output row, and x quantized per call (torch's
-    dynamic quantized linear): 2.7-10x a float32 matmul at decoding's batch sizes on a CPU
-    core. The kernel quantizes x with one scale for the whole batch; each row is first brought
-    to unit max here (and the result scaled back), so a token with large activations does not
-    flatten the others' (on SmolLM2-135M this halves the log-prob error, benchmarks/ASYNC.md).
-
-    smooth [in]: per input channel s, x W^T = (x / s)(W s)^T (SmoothQuant): a few channels of
-    x carry most of its range in LLMs (SmolLM2-135M: the largest channel 7-20x the median
-    one, up to 6,000x), and one row scale then leaves the other channels a few levels of the
-    7 activation bits; dividing by s moves that range into W's columns (8 bits per row).
-    The sampler's log-probs are the int8 model's, the distribution it drew from, so
-    rollout_correction weighs the difference out."""
-
-    def __init__(
-        self, w: torch.Tensor, b: torch.Tensor | None, smooth: torch.Tensor | None = None
-    ) -> None:
-        w = w.detach().float()
-        self.smooth = None if smooth is None else smooth.detach().float()
-        if self.smooth is not None:
-            w = w * self.smooth
-        scale = (w.abs().amax(1).clamp(min=1e-12) / 127).double()
-        zero = torch.zeros(w.shape[0], dtype=torch.long)
-        q = torch.quantize_per_channel(w, scale, zero, 0, torch.qint8)
-        self.packed = torch.ops.quantized.linear_prepack(q, None)
-        self.bias = None if b is None else b.detach().float()
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.smooth is not None:
-            x = x / self.smooth
-        s = x.abs().amax(-1, keepdim=True).clamp(min=1e-12)
-        # reduce_range: 7-bit activations, so that the int16 sums of x86 kernels cannot overflow
-        y = torch.ops.quantized.linear_dynamic(x / s, self.packed, True) * s
-        return y if self.bias is None else y + self.bias
-
-
-def smoothing_scales(
-    act_absmax: torch.Tensor, w: torch.Tensor, alpha: float = SMOOTH_ALPHA
-) -> torch.Tensor:
-    """SmoothQuant's per-input-channel s = max|x_j|^alpha / max|W_j|^(1 - alpha) [in], from
-    the largest |x| seen in each channel and W [out, in]; channels never active keep s = 1.
-
-    >>> smoothing_scales(torch.tensor([16.0, 0.0]), torch.tensor([[1.0, 2.0], [-4.0, 1.0]]))
-    tensor([2., 1.])
-    """
-    wmax = w.detach().abs().amax(0).float().clamp(min=1e-8)
-    s = act_absmax.float().clamp(min=1e-8) ** alpha / wmax ** (1 - alpha)
-    return torch.where(act_absmax > 0, s, torch.ones_like(s))
-
-
-class CalibratingLinear:
-    """x W^T + b in W's dtype that records the largest |x| of each input channel, then becomes an
-    Int8Linear smoothed by them (int8(); calibrated on the prompts' prefill, so each sampling
-    call calibrates on its own prompts and weights)."""
-
-    def __init__(self, w: torch.Tensor, b: torch.Tensor | None) -> None:
-        self.w, self.b = w, b
-        self.absmax = torch.zeros(w.shape[1], dtype=torch.float32, device=w.device)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        seen = x.detach().abs().reshape(-1, x.shape[-1]).amax(0).float()
-        torch.maximum(self.absmax, seen, out=self.absmax)
-        return F.linear(x, self.w, self.b)
-
-    def int8(self) -> Int8Linear:
-        return Int8Linear(self.w, self.b, smoothing_scales(self.absmax, self.w))
-
-
-def make_linear(w: torch.Tensor, b: torch.Tensor | None, int8: bool) -> Linear:
-    """The layer x -> x W^T + b in W's dtype, or (int8) a float32 layer that calibrates and
-    then turns into int8 (Decoder.quantize)."""
-    return CalibratingLinear(w, b) if int8 else functools.partial(F.linear, weight=w, bias=b)
+def make_linear(w: torch.Tensor, b: torch.Tensor | None) -> Linear:
+    """The layer x -> x W^T + b in W's dtype."""
+    return functools.partial(F.linear, weight=w, bias=b)
 
 
 @dataclass
@@ -163,11 +90,9 @@ def _cat_bias(linears: list[torch.nn.Module], weights: list[torch.Tensor]) -> to
 
 
 class Decoder:
-    """The model's weights arranged for decoding; build one per generate call (weights change).
-    int8: every matmul's weights in int8 (CPU only; Int8Linear) once quantize() has been called
-    after a calibrating forward (the prefill)."""
+    """The model's weights arranged for decoding; build one per generate call (weights change)."""
 
-    def __init__(self, model: torch.nn.Module, int8: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"fast generation engine: {reason}")
@@ -184,11 +109,11 @@ class Decoder:
             self.layers.append(
                 _Layer(
                     ln_in=layer.input_layernorm.weight,
-                    qkv=make_linear(torch.cat(w_qkv), _cat_bias(qkv, w_qkv), int8),
-                    o=make_linear(w(a.o_proj), effective_bias(a.o_proj), int8),
+                    qkv=make_linear(torch.cat(w_qkv), _cat_bias(qkv, w_qkv)),
+                    o=make_linear(w(a.o_proj), effective_bias(a.o_proj)),
                     ln_post=layer.post_attention_layernorm.weight,
-                    gate_up=make_linear(torch.cat([w(m.gate_proj), w(m.up_proj)]), None, int8),
-                    down=make_linear(w(m.down_proj), None, int8),
+                    gate_up=make_linear(torch.cat([w(m.gate_proj), w(m.up_proj)]), None),
+                    down=make_linear(w(m.down_proj), None),
                 )
             )
         self.n_heads = cfg.num_attention_heads
@@ -198,20 +123,10 @@ class Decoder:
         self.eps = cfg.rms_norm_eps
         self.embed = w(inner.embed_tokens)
         self.norm = inner.norm.weight
-        self.head = make_linear(w(model.lm_head), effective_bias(model.lm_head), int8)
+        self.head = make_linear(w(model.lm_head), effective_bias(model.lm_head))
         self.rotary = inner.rotary_emb
         self.dtype = self.embed.dtype
         self.device = self.embed.device
-
-    def quantize(self) -> None:
-        """int8: every calibrating layer becomes its smoothed Int8Linear (after the prefill)."""
-        for layer in self.layers:
-            for name in ("qkv", "o", "gate_up", "down"):
-                lin = getattr(layer, name)
-                if isinstance(lin, CalibratingLinear):
-                    setattr(layer, name, lin.int8())
-        if isinstance(self.head, CalibratingLinear):
-            self.head = self.head.int8()
 
     def rope_tables(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for positions 0..n-1: [n, head_dim], from the model's own rotary module."""
@@ -302,11 +217,8 @@ def sample(
     top_k: int = 0,
     do_sample: bool = True,
     num_generations: int = 1,
-    int8: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Completions [B*G, C] and log pi of each sampled token [B*G, C] (int8: the prompts'
-    prefill in float32, calibrating, then every decoding matmul in int8, Int8Linear smoothed
-    per channel; the log-probs are then the int8 model's, the distribution sampled).
+    """Completions [B*G, C] and log pi of each sampled token [B*G, C].
 
     Each of the B prompts is prefilled once; its KV cache is then copied to its G rows
     (rows of one prompt contiguous), so the prompt costs one forward, not G.
@@ -320,7 +232,7 @@ def sample(
     after a row's first EOS are arbitrary (the row kept decoding until the next compaction) and
     their log-probs too: generate.generate masks both with completion_mask, for either engine.
     """
-    dec = Decoder(model, int8)
+    dec = Decoder(model)
     b, p = prompt_ids.shape  # b distinct prompts here; b * G rows after the prefill
     total = p + max_new_tokens
     dev = prompt_ids.device
@@ -343,9 +255,6 @@ def sample(
         prompt_ids, cos_t[pos].unsqueeze(2), sin_t[pos].unsqueeze(2), cache, 0,
         prefill_mask.unsqueeze(1),
     )  # fmt: skip
-    if int8:
-        # the prefill ran in float32 and recorded each layer's activation ranges: quantize now
-        dec.quantize()
     if num_generations > 1:
         g = num_generations
         cache = [(k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)) for k, v in cache]

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo.config import Config
+from grpo.eval.selection import INRUN_KEY, SELECT_KEY
 from tasks.tracking.client import client
 from tasks.tracking.params import safe_key
 
@@ -32,7 +33,7 @@ def log_step_metrics(c: Any, run_id: str, rows: list[dict[str, Any]], prefix: st
 
 # what a user compares first between two pipelines, mirrored from the grpo stage run onto the
 # parent: selecting two parents in the runs list then shows their curves side by side
-MIRRORED = ("reward", "eval/inrun_subset_accuracy")
+MIRRORED = ("reward", SELECT_KEY, INRUN_KEY)
 
 
 def mirror_to_parent(c: Any, parent_id: str, rows: list[dict[str, Any]], seconds: float) -> int:

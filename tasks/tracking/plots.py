@@ -13,9 +13,14 @@ def plot_curves(rows: list[dict[str, Any]], out: Path, title: str) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from grpo.eval.selection import SELECT_KEY, curve_key
+
+    key = curve_key(rows)
+    accuracy = ("selection split accuracy (greedy)" if key == SELECT_KEY
+                else "in-run held-out subset accuracy (greedy)")  # fmt: skip
     panels = [
         ("reward", "reward"),
-        ("eval/inrun_subset_accuracy", "in-run held-out subset accuracy (greedy)"),
+        (key, accuracy),
         ("kl", "KL to reference"),
         ("completions/mean_length", "completion length"),
     ]

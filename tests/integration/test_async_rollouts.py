@@ -121,3 +121,23 @@ def test_a_killed_sampler_ends_the_run_in_one_line(tmp_path, threads):
     msg = str(e.value)
     assert len(msg.splitlines()) == 1, msg
     assert "died with exit code -9" in msg and "--resume" in msg, msg
+
+
+def test_async_with_staleness_0_is_bit_identical_to_the_synchronous_loop(tmp_path, threads):
+    """max_staleness 0: the sampler process samples each step with the learner's current
+    weights (through the same shared buffers) while the learner waits: the same weights and
+    the same metrics as the synchronous loop, bit for bit."""
+    sync = small_config(tmp_path, "grpo.steps=3", *FAST)
+    base = base_model_dir(sync)
+    Trainer(sync, base, tmp_path / "sync").train(progress=False)
+    stale0 = small_config(tmp_path, "grpo.steps=3", "grpo.async_rollouts=true",
+                          "grpo.max_staleness=0", *FAST)  # fmt: skip
+    Trainer(stale0, base, tmp_path / "async0").train(progress=False)
+    a = load_file(tmp_path / "sync" / "policy" / "model.safetensors")
+    b = load_file(tmp_path / "async0" / "policy" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], load_file(base / "model.safetensors")[k]) for k in a)
+    rows = [{k: v for k, v in r.items() if not k.startswith("async/")}
+            for r in _metrics(tmp_path / "async0")]  # fmt: skip
+    assert rows == _metrics(tmp_path / "sync")
+    assert [r["async/staleness"] for r in _metrics(tmp_path / "async0")] == [0.0] * 3

@@ -161,3 +161,47 @@ def test_resume_after_a_torn_line_trims_both_files_and_ends_the_same(tmp_path):
     samples = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
     assert len(samples) == n_samples  # steps 5 and 6 logged once, not twice
     assert sorted({s["step"] for s in samples}) == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_best_selected_after_the_last_checkpoint_is_not_kept_by_a_resume(tmp_path, monkeypatch):
+    """The selection found a new best at step 3, after the step-2 checkpoint, then the run
+    died. The resumed run trims the curve to step 2 and redoes step 3, which this time is not
+    the best: policy/ must hold step 2's weights (what the final curve names), not the weights
+    of the step 3 the first run selected and then lost."""
+    from grpo.engine.loop import Trainer
+
+    cfg = small_config(tmp_path, "grpo.steps=4", "grpo.checkpoint_every=2", "grpo.eval_every=1",
+                       "data.num_select=8", "grpo.reward_funcs=['tests.fault_rewards:alternating']",
+                       "grpo.reward_weights=[1.0]")  # fmt: skip
+    base = base_model_dir(cfg)
+    # scripted accuracies per evaluation: the first run's steps 0-3, then the resume's 3 and 4
+    scripted = iter([0.1, 0.2, 0.3, 0.9, 0.25, 0.28])
+    weights: list[dict[str, torch.Tensor]] = []
+
+    def accuracy(self) -> float:  # noqa: ANN001
+        weights.append({k: v.detach().clone() for k, v in self.engine.module.state_dict().items()})
+        return next(scripted)
+
+    monkeypatch.setattr(Trainer, "heldout_accuracy", accuracy)
+    real_step = Trainer.step
+
+    def dies_at_step_3(self, step: int):  # noqa: ANN001, ANN202
+        if step == 3:
+            raise RuntimeError("killed")
+        return real_step(self, step)
+
+    monkeypatch.setattr(Trainer, "step", dies_at_step_3)
+    out = tmp_path / "grpo"
+    with pytest.raises(RuntimeError, match="killed"):
+        Trainer(cfg, base, out).train(progress=False)
+    assert (out / "best-000003").is_dir()  # the lost best, selected after the checkpoint
+    monkeypatch.setattr(Trainer, "step", real_step)
+    summary = Trainer(cfg, base, out).train(resume=True, progress=False)
+    assert summary["selection"]["selected_step"] == 2
+    assert summary["selection"]["curve"] == [[0, 0.1], [1, 0.2], [2, 0.3], [3, 0.25], [4, 0.28]]
+    got = load_file(out / "policy" / "model.safetensors")
+    step2 = weights[2]  # the first run's evaluation of step 2 (before its checkpoint)
+    assert got and all(torch.equal(got[k], step2[k]) for k in got)
+    # step 3 did move the weights, so the lost best's are not step 2's
+    assert not all(torch.equal(got[k], weights[3][k]) for k in got)
+    assert sorted(p.name for p in out.glob("best-*")) == ["best-000002"]

@@ -206,6 +206,35 @@ def _roles_hold(s: Served, tmp: Path, mv) -> None:  # noqa: ANN001
         for what, call in writes.items():
             want = "OK" if what in may[who] else "PERMISSION_DENIED"
             assert attempt(account, call) == want, (who, what)
+    # reserved tags (infra.roles.reserved_tag): every role, setting and deleting each kind;
+    # a permitted set writes the value the tag holds, so the record stays as the gate wrote it
+    other = _account(s, tmp, "trainer-b", "trainer")
+    tags = c.get_model_version(name, v).tags
+    reserved = {"registered_by": tags["registered_by"], "promoted_by": "forged",
+                "gate/decision": tags["gate/decision"], "promotion": tags["promotion"],
+                "approval/decision": "approved", "manual/champion": "forged"}  # fmt: skip
+    may_set = {"viewer": set(), "trainer-b": set(), "lead": {"manual/champion"},
+               "remote-trainer": {"gate/decision", "promotion", "approval/decision"}}  # fmt: skip
+    accounts = {"viewer": reader, "trainer-b": other, "lead": lead, "remote-trainer": trainer}
+    for who, account in accounts.items():
+        for key, value in reserved.items():
+            if key == "approval/decision" and who == "remote-trainer":
+                continue  # written below by the approval flow, with its own value
+            got = attempt(account, lambda m, k=key, x=value: m.set_model_version_tag(name, v, k, x))
+            assert got == ("OK" if key in may_set[who] else "PERMISSION_DENIED"), (who, key)
+            got = attempt(account, lambda m, k=key: m.delete_model_version_tag(name, v, k))
+            assert got == "PERMISSION_DENIED", (who, "delete", key)
+    after = c.get_model_version(name, v).tags
+    assert after["registered_by"] == "remote-trainer" and "promoted_by" not in after
+    assert after["gate/decision"] == tags["gate/decision"], after
+    assert after["manual/champion"] == "forged"  # the approver's (the one allowed) write
+    with pytest.MonkeyPatch.context() as mp:  # the refusal line says what is reserved and why
+        for k, val in other.items():
+            mp.setenv(k, val)
+        with pytest.raises(MlflowException, match="reserved for the account that registered"):
+            MlflowClient(s.tracking, s.tracking).set_model_version_tag(
+                name, v, "gate/decision", "promoted"
+            )
     # an approval the trainer account's flow run would apply (in a process of its own, as a
     # flow run is, with the trainer's credentials): recorded, @champion unmoved
     code = ("import json, sys; from grpo.config import load_config; "
@@ -234,5 +263,5 @@ def _roles_hold(s: Served, tmp: Path, mv) -> None:  # noqa: ANN001
     assert now.version == v and now.tags["promoted_by"] == "lead"
     assert "(account lead)" in now.tags["manual/champion"]
     listed = subprocess.run([GRPO, "users", "list"], capture_output=True, text=True, timeout=120)
-    roles = "admin admin lead approver remote-trainer trainer viewer reader"
+    roles = "admin admin lead approver remote-trainer trainer trainer-b trainer viewer reader"
     assert listed.stdout.split() == roles.split(), listed.stderr[-2000:]

@@ -169,3 +169,33 @@ def test_lora_policy_and_its_adapters_off_reference_match_the_padded_forward():
         assert torch.allclose(results[off], want, atol=2e-6)
     # the adapters changed the policy, so the two comparisons were of different models
     assert not torch.allclose(results[False], results[True], atol=1e-3)
+
+
+@pytest.mark.parametrize("head_chunk", [0, 3])
+def test_truncated_log_probs_are_chunked_within_the_budget(head_chunk):
+    """top-k/top-p scoring takes the chunked head too: the same log-probs, outside flags and
+    gradients as the truncation of one padded forward's logits, and with a budget of 3 rows'
+    logits no head call sees more than one row (the truncation makes three copies)."""
+    from grpo.algo.logprobs import truncated_token_logprobs
+
+    model = _model("llama").train()
+    batch = _batch()
+    pids, pmask, cids, cmask = batch
+    logits = completion_logits(model, pids, pmask, cids, cmask)
+    want, want_out = truncated_token_logprobs(logits, cids, 0.7, 4, 0.8)
+    want = want * cmask
+    weights = torch.arange(1, cmask.numel() + 1, dtype=torch.float32).view(cmask.shape)
+    want_grads = _grads(model, (want * weights).sum())
+    seen: list[int] = []
+    hook = model.lm_head.register_forward_hook(
+        lambda _m, args, _out: seen.append(args[0].reshape(-1, args[0].shape[-1]).shape[0])
+    )
+    outside = torch.zeros(cmask.shape, dtype=torch.bool)
+    got, _ = completion_logprobs(model, *batch, 0.7, logits_budget_mib=_budget(head_chunk),
+                                 truncation=(4, 0.8), outside=outside)  # fmt: skip
+    hook.remove()
+    assert torch.allclose(got, want, atol=2e-6)
+    assert (outside == (want_out & cmask.bool())).all() and outside.any()
+    assert max(seen) <= (1 if head_chunk else int(cmask.sum()))
+    for a, b in zip(_grads(model, (got * weights).sum()), want_grads, strict=True):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)

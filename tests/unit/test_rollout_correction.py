@@ -8,7 +8,7 @@ import torch
 
 from grpo.algo import policy_loss
 from grpo.algo.logprobs import truncated_token_logprobs
-from grpo.algo.rollout_correction import correction_weights, mismatch_metrics
+from grpo.algo.rollout_correction import correction_weights, mismatch_metrics, ratio_stats
 from grpo.config import ConfigError, load_config
 
 LN = math.log
@@ -34,26 +34,50 @@ def test_token_weights_are_truncated_or_masked_above_the_threshold():
     assert w.item() == 0.0
 
 
-def test_sequence_weights_are_the_geometric_mean_of_the_tokens_weights():
+def test_geometric_weights_are_the_geometric_mean_of_the_tokens_weights():
     # sequence 0: token ratios 4 and 1 (and a padding token): geometric mean 2, at the cap;
     # sequence 1: ratios 9 and 1: mean 3, over a cap of 2.5
     old = [[LN(4.0), 0.0, 5.0], [LN(9.0), 0.0, 0.0]]
     sampler, mask = [[0.0] * 3] * 2, [[1, 1, 0], [1, 1, 1]]
     mask[1][2] = 0
-    w, over = _weights(old, sampler, mask, level="sequence", threshold=2.5)
+    w, over = _weights(old, sampler, mask, level="geometric", threshold=2.5)
     assert w.flatten().tolist() == pytest.approx([2.0, 2.0, 0.0, 2.5, 2.5, 0.0])
     assert over.tolist() == [[False, False, False], [True, True, False]]
-    w, _ = _weights(old, sampler, mask, level="sequence", mode="mask", threshold=2.5)
+    w, _ = _weights(old, sampler, mask, level="geometric", mode="mask", threshold=2.5)
     assert w.flatten().tolist() == pytest.approx([2.0, 2.0, 0.0, 0.0, 0.0, 0.0])
 
 
-def test_the_sequence_weight_does_not_grow_or_shrink_with_length():
+def test_sequence_weights_are_the_product_as_trls_sequence_modes():
+    # TRL's sequence_mask: ratio = exp(sum of the log-ratios). Sequence 0: token ratios 1.5 and
+    # 1.5 (and padding): product 2.25 over a cap of 2, geometric mean 1.5 under it; sequence 1:
+    # ratios 1.2 and 0.5: product 0.6, inside [0.5, 2]; sequence 2: 0.8 and 0.5, product 0.4
+    # under a floor of 0.5
+    old = [[LN(1.5), LN(1.5), 9.0], [LN(1.2), LN(0.5), 0.0], [LN(0.8), LN(0.5), 0.0]]
+    sampler, mask = [[0.0] * 3] * 3, [[1, 1, 0], [1, 1, 0], [1, 1, 0]]
+    w, over = _weights(old, sampler, mask, level="sequence", mode="mask", threshold=2.0,
+                       min_threshold=0.5)  # fmt: skip
+    assert w.flatten().tolist() == pytest.approx([0.0, 0.0, 0.0, 0.6, 0.6, 0.0, 0, 0, 0])
+    assert over.tolist() == [[True, True, False], [False, False, False], [True, True, False]]
+    # the geometric level keeps the first sequence (1.5 < 2): TRL's sequence_mask would not
+    g, _ = _weights(old, sampler, mask, level="geometric", mode="mask", threshold=2.0)
+    assert g[0, :2].tolist() == pytest.approx([1.5, 1.5])
+    # truncate clamps the product into [C_min, C_max]
+    w, _ = _weights(old, sampler, mask, level="sequence", threshold=2.0, min_threshold=0.5)
+    assert w.flatten().tolist() == pytest.approx([2.0, 2.0, 0.0, 0.6, 0.6, 0.0, 0.5, 0.5, 0])
+    # TRL's summary: one weight per sequence (3), after masking
+    stats = ratio_stats(_weights(old, sampler, mask, level="sequence", mode="mask",
+                                 threshold=2.0, min_threshold=0.5)[0], torch.tensor(mask),
+                        "sequence")  # fmt: skip
+    assert stats == pytest.approx({"n": 3.0, "sum": 0.6, "min": 0.0, "max": 0.6})
+
+
+def test_the_geometric_weight_does_not_grow_or_shrink_with_length():
     # the same small per-token mismatch on a short and a long sequence: the mean log-ratio gives
     # both exp(delta); the summed log-ratio would give exp(10 delta) and exp(500 delta) = e^5
     delta = 0.01
     for length in (10, 500):
         w, over = _weights([[delta] * length], [[0.0] * length], [[1] * length],
-                           level="sequence", threshold=2.0)  # fmt: skip
+                           level="geometric", threshold=2.0)  # fmt: skip
         assert w[0, 0].item() == pytest.approx(math.exp(delta)) and not over.any()
     assert math.exp(500 * delta) > 2.0  # the product would have been cut at the cap
 
@@ -100,6 +124,14 @@ def test_trls_names_load_and_a_biased_combination_is_refused():
     g = cfg.grpo
     assert (g.rollout_correction, g.rollout_correction_level, g.rollout_correction_mode,
             g.rollout_correction_threshold) == (True, "sequence", "mask", 3.0)  # fmt: skip
+    # TRL's current bound names; the deprecated cap and clip_max are one setting
+    g = load_config(None, ["grpo.vllm_importance_sampling_correction=true",
+                           "grpo.vllm_importance_sampling_clip_max=2.5",
+                           "grpo.vllm_importance_sampling_clip_min=0.4"]).grpo  # fmt: skip
+    assert (g.rollout_correction_threshold, g.rollout_correction_min_threshold) == (2.5, 0.4)
+    with pytest.raises(ConfigError, match="same setting"):
+        load_config(None, ["grpo.vllm_importance_sampling_cap=3",
+                           "grpo.vllm_importance_sampling_clip_max=3"])  # fmt: skip
     with pytest.raises(ConfigError, match="vllm_importance_sampling_mode: 'token_clip'"):
         load_config(None, ["grpo.vllm_importance_sampling_mode=token_clip"])
     # with top-p sampling both sides' log-probs are over the truncated distribution
@@ -120,6 +152,8 @@ def test_the_log_prob_over_a_truncated_distribution_by_hand():
     lp, outside = truncated_token_logprobs(logits, torch.tensor([[0, 1, 2]]), 1.0, 0, 0.7)
     assert lp[0, :2].tolist() == pytest.approx([LN(0.5 / 0.8), LN(0.3 / 0.8)])
     assert outside.tolist() == [[False, False, True]]
+    # the one outside is scored over the kept set and itself: 0.15 / 0.95, a probability
+    assert lp[0, 2].item() == pytest.approx(LN(0.15 / 0.95))
     # top_k 3 at temperature 0.5: softmax of doubled logits over the three largest
     lp, outside = truncated_token_logprobs(logits, torch.tensor([[2, 2, 3]]), 0.5, 3, 1.0)
     p = torch.tensor([0.5, 0.3, 0.15]) ** 2
