@@ -100,7 +100,7 @@ def _train_other_node(cfg: Config, a: argparse.Namespace, node: Node, out: Path)
 
 def cmd_evaluate(a: argparse.Namespace) -> None:
     from grpo.eval.metrics import markdown_table
-    from grpo.eval.run import default_report_dir, evaluate_model
+    from grpo.eval.run import default_report_dir, evaluate_against_baseline, evaluate_model
 
     cfg = _config(a)
     model = a.model
@@ -113,29 +113,16 @@ def cmd_evaluate(a: argparse.Namespace) -> None:
                model_dirs=(model, a.baseline), train=False, base=a.base)  # fmt: skip
     out = a.out or str(default_report_dir(cfg, model))
     samples = a.samples or cfg.eval.samples
-    report = evaluate_model(cfg, model, sets, out, samples=samples, limit=a.limit, base=a.base)
-    print(markdown_table(report))
-    print(f"report: {out}/report.json  samples: {out}/samples.jsonl")
     if a.baseline:
-        from grpo.eval.metrics import format_paired, paired_difference
-
-        base_out = f"{out}_baseline"
-        base_report = evaluate_model(cfg, a.baseline, sets, base_out, samples=samples,
-                                     limit=a.limit, base=a.base)  # fmt: skip
-        print(f"\nbaseline\n\n{markdown_table(base_report)}")
-        mine = [json.loads(x) for x in Path(out, "samples.jsonl").open()]
-        theirs = [json.loads(x) for x in Path(base_out, "samples.jsonl").open()]
-        print(f"{model} - {a.baseline} (same problems and samples, paired 95% CI):")
-        paired = {}
-        for s in sets:
-            pair = [r for r in theirs if r["set"] == s], [r for r in mine if r["set"] == s]
-            paired[s] = {"strict": paired_difference(*pair),
-                         "lenient": paired_difference(*pair, key="correct_lenient")}  # fmt: skip
-            print(f"  {s:16s} {format_paired(paired[s]['strict'])}  "
-                  f"lenient {format_paired(paired[s]['lenient'])}")  # fmt: skip
-        # one report for both models: the baseline's own numbers, then the differences
-        report = {**report, "baseline": base_report, "paired_vs_baseline": paired}
-        Path(out, "report.json").write_text(json.dumps(report, indent=2))
+        report, text = evaluate_against_baseline(
+            cfg, model, a.baseline, sets, out, samples=samples, limit=a.limit, base=a.base
+        )
+        print(text)
+    else:
+        report = evaluate_model(cfg, model, sets, out, samples=samples, limit=a.limit,
+                                base=a.base)  # fmt: skip
+        print(markdown_table(report))
+    print(f"report: {out}/report.json  samples: {out}/samples.jsonl")
     if os.environ.get("MLFLOW_RUN_ID"):  # inside an active MLflow run: log there too
         from tasks.tracking import log_evaluation
 
@@ -144,7 +131,7 @@ def cmd_evaluate(a: argparse.Namespace) -> None:
 
 def cmd_pipeline(a: argparse.Namespace) -> None:
     from flows.pipeline import PipelineParams, grpo_pipeline
-    from infra.prefect_db import pipeline_api
+    from infra.prefect_local import pipeline_api
 
     cfg = _config(a)
     _preflight(cfg, tracking=True)

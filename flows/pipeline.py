@@ -19,6 +19,7 @@ from prefect.states import Cancelled
 from pydantic import BaseModel, Field
 
 from grpo.config import load_config
+from grpo.eval.selection import last_dir
 from grpo.launch.runner import refuse_node_by_node, stop_started
 
 
@@ -75,8 +76,8 @@ def grpo_pipeline(params: PipelineParams = PipelineParams()) -> Any:  # noqa: B0
         # with a selection split, the last steps' weights are evaluated beside the selected
         if trained.get("last_policy"):
             models["grpo_last"] = trained["last_policy"]
-        if control and Path(control + "_last").is_dir():
-            models["sft_continued_last"] = control + "_last"
+        if control and last_dir(Path(control)).is_dir():
+            models["sft_continued_last"] = str(last_dir(Path(control)))
         # the current champion, evaluated on the same problems: the gate's paired evidence
         champ = registry.champion(cfg, run_dir / "champion")
         if champ["path"]:

@@ -4,8 +4,6 @@ wait for an HTTP endpoint, run a setup command, stop every child and its descend
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import ssl
 import subprocess
 import sys
@@ -16,6 +14,7 @@ from pathlib import Path
 
 import psutil
 
+from grpo.launch.runner import stop_processes
 from reward_fns.errors import UserError
 
 
@@ -28,11 +27,17 @@ def bin_path(name: str) -> str:
     return str(Path(sys.executable).with_name(name))
 
 
-def wait_http(url: str, seconds: float, what: str) -> None:
+def wait_http(
+    url: str, seconds: float, what: str, *, proc: subprocess.Popen | None = None,
+    interval: float = 1.0,
+) -> None:  # fmt: skip
     """Poll `url` until it answers. An https server whose certificate this process does not
-    trust fails at once: waiting would not change it."""
+    trust fails at once: waiting would not change it; so does a server process `proc` that
+    has exited."""
     deadline = time.time() + seconds
     while time.time() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}")
         try:
             with urllib.request.urlopen(url, timeout=2):
                 return
@@ -43,9 +48,9 @@ def wait_http(url: str, seconds: float, what: str) -> None:
                     f"({e.reason.verify_message}); set SSL_CERT_FILE and REQUESTS_CA_BUNDLE to "
                     "a CA bundle that holds the CA that signed it"
                 ) from None
-            time.sleep(1)
+            time.sleep(interval)
         except OSError:
-            time.sleep(1)
+            time.sleep(interval)
     raise RuntimeError(f"{what} did not answer at {url} within {seconds:.0f}s")
 
 
@@ -73,18 +78,8 @@ def stop_all(procs: dict[str, subprocess.Popen]) -> None:
     for d in below:
         with contextlib.suppress(psutil.NoSuchProcess):
             d.terminate()
-    for p in procs.values():
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
     deadline = time.time() + 20
-    for p in procs.values():
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            p.wait(timeout=max(0.1, deadline - time.time()))
-    for p in procs.values():
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGKILL)  # the group may outlive its leader
-        p.wait()
+    stop_processes(list(procs.values()), grace_s=20, groups=True)
     _gone, alive = psutil.wait_procs(below, timeout=max(0.1, deadline - time.time()))
     for d in alive:
         with contextlib.suppress(psutil.NoSuchProcess):

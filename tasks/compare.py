@@ -181,7 +181,7 @@ def paired_rows(
     """B - A on the same problems for every model and set both runs evaluated (first sample
     of each problem, 95% normal interval, strict and lenient), and the pairs that could not be
     paired with why (a model one run lacks, or different problems under the same set name)."""
-    from grpo.eval.metrics import paired_difference
+    from grpo.eval.metrics import paired_strict_lenient
 
     ev_a, ev_b = stages["A"].get("evaluate"), stages["B"].get("evaluate")
     if ev_a is None or ev_b is None:
@@ -207,8 +207,8 @@ def paired_rows(
                 if not sa or not sb or _problems(sa) != _problems(sb):
                     skipped.append({"model": label, "set": s, "why": "not the same problems"})
                     continue
-                strict = paired_difference(sa, sb)
-                lenient = paired_difference(sa, sb, key="correct_lenient")
+                pair = paired_strict_lenient(sa, sb)
+                strict, lenient = pair["strict"], pair["lenient"]
                 rows.append({"model": label, "set": s, "n": int(strict["n"]),
                              "diff": strict["diff"], "ci_low": strict["ci_low"],
                              "ci_high": strict["ci_high"], "lenient_diff": lenient["diff"],

@@ -13,6 +13,7 @@ from typing import Any
 from prefect import get_run_logger, task
 
 from grpo.config import Config
+from grpo.eval.selection import last_dir
 from grpo.launch.paths import model_digest
 from tasks import tracking
 
@@ -257,7 +258,7 @@ def train_policy(
         tracking.log_grpo_summary(c, run_id, summary, threads)
     return {"policy": str(out / "policy"), "run_id": run_id, "seconds": summary["seconds"],
             "model_uri": model_uri, "selection": selection,
-            "last_policy": str(out / "policy_last") if selection else None}  # fmt: skip
+            "last_policy": str(last_dir(out / "policy")) if selection else None}  # fmt: skip
 
 
 def _thread_env(threads: int | None) -> dict[str, str] | None:

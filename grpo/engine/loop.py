@@ -34,13 +34,11 @@ from grpo.engine.schedules import lr_lambda
 from grpo.engine.scoring import RewardScorer, token_advantages
 from grpo.engine.update import UpdatePlan, update_policy
 from grpo.eval.run import generate_for_rows
-from grpo.eval.selection import INRUN_KEY, SELECT_KEY, SELECTION_FILE, Selection
+from grpo.eval.selection import INRUN_KEY, SELECT_KEY, SELECTION_FILE, Selection, last_dir
 from grpo.models import lora
 from grpo.models.generate import Rollout, resolve_engine
 from grpo.models.loading import device_for, eos_token_ids, load_model, load_tokenizer
 from grpo.progress import progress_bar
-
-LAST_DIR = "policy_last"
 
 
 def best_dir(out: Path, step: int) -> Path:
@@ -185,7 +183,7 @@ class Trainer:
             return summary
         # policy/ is the selected step's weights (what is evaluated, registered and served);
         # policy_last/ the last step's, evaluated beside it
-        save_policy(self.engine, self.tok, self.out / LAST_DIR, self.rank,
+        save_policy(self.engine, self.tok, last_dir(self.out / "policy"), self.rank,
                     self.cfg.deepspeed.zero_stage)  # fmt: skip
         if self.rank == 0:
             replace_dir(best_dir(self.out, self.selection.best()[0]), self.out / "policy")

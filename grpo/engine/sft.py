@@ -26,7 +26,7 @@ from grpo.engine.distributed import all_reduce_sum, init_distributed
 from grpo.engine.pace import control_budget, read_pace
 from grpo.engine.schedules import PlateauLR, paced_cosine
 from grpo.eval.run import generate_for_rows
-from grpo.eval.selection import Selection
+from grpo.eval.selection import Selection, last_dir
 from grpo.models.loading import device_for, load_model, load_tokenizer
 from grpo.models.prompts import render_prompt
 from grpo.progress import progress_bar
@@ -137,7 +137,7 @@ VAL_BATCH = 256
 
 
 class _PlateauStop:
-    """The reference's policy: the learning rate cut on plateaus, a new best validation loss
+    """The reference's stop rules: the learning rate cut on plateaus, a new best validation loss
     keeps its weights (never a smaller gain than min_delta, which is noise), the last plateau
     ends training."""
 
@@ -163,7 +163,7 @@ class _PlateauStop:
 
 
 class _BudgetStop:
-    """The control's policy: the rate anneals over its budget, which ends training when spent;
+    """The control's stop rules: the rate anneals over its budget, which ends training when spent;
     with a selection split it keeps its best step by GRPO's rule (grpo.eval.selection),
     otherwise its last weights."""
 
@@ -223,22 +223,22 @@ def train_control(
     the CPU threads to use once the followed run is done (its cores are then free)."""
     budget = _Budget(max_seconds, follow, max_steps, threads_after)
 
-    def policy(select: Callable[[], float] | None) -> _BudgetStop:
+    def rules(select: Callable[[], float] | None) -> _BudgetStop:
         return _BudgetStop(budget, cfg.sft.warmup_steps, select if sets.get("select") else None)
 
     lr = cfg.sft.control_lr if cfg.sft.control_lr is not None else cfg.sft.lr
-    return _train(cfg, policy_dir, out_dir, sets, itertools.count(), policy, lr=lr,
+    return _train(cfg, policy_dir, out_dir, sets, itertools.count(), rules, lr=lr,
                   progress=False)  # fmt: skip
 
 
 def _train(
     cfg: Config, base_dir: str | Path, out_dir: str | Path, sets: dict[str, list[dict]],
-    epochs: Iterable[int], make_policy: Callable[[Callable[[], float]], Any], *, lr: float,
+    epochs: Iterable[int], make_rules: Callable[[Callable[[], float]], Any], *, lr: float,
     progress: bool = True,
 ) -> dict[str, Any]:  # fmt: skip
-    """The SFT loop both runs share; `make_policy(select_accuracy)` gives what differs between
-    them (the learning rate, which weights to keep, what ends training): _PlateauStop for the
-    reference, _BudgetStop for the control."""
+    """The SFT loop both runs share; `make_rules(select_accuracy)` gives the stop rules, what
+    differs between them (the learning rate, which weights to keep, what ends training):
+    _PlateauStop for the reference, _BudgetStop for the control."""
     rank, world = init_distributed(cfg.deepspeed.timeout_s)
     device = device_for(cfg)
     torch.manual_seed(cfg.seed)
@@ -263,10 +263,10 @@ def _train(
         correct, total = all_reduce_sum([sum(r["correct"] for r in recs), len(recs)], device)
         return correct / max(total, 1)
 
-    policy = make_policy(select_accuracy)
+    rules = make_rules(select_accuracy)
     engine, _ = build_engine(
         model, cfg, micro_batch=s.batch_size // world, grad_accum=1, lr=lr,
-        weight_decay=s.weight_decay, max_grad_norm=s.max_grad_norm, lr_fn=policy.lr_fn,
+        weight_decay=s.weight_decay, max_grad_norm=s.max_grad_norm, lr_fn=rules.lr_fn,
     )  # fmt: skip
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -281,14 +281,14 @@ def _train(
 
     def record(rec: dict[str, float]) -> None:
         """A validation (or the start's selection): kept weights saved, the record logged."""
-        if policy.keep(rec):
+        if rules.keep(rec):
             save_policy(engine, tok, out_dir, rank, cfg.deepspeed.zero_stage)
         history.append(rec)
         if log:
             log.write(json.dumps(rec) + "\n")
             log.flush()
 
-    if getattr(policy, "selection", None) is not None:  # the start is a candidate, as in GRPO
+    if getattr(rules, "selection", None) is not None:  # the start is a candidate, as in GRPO
         record({"step": 0, "elapsed_s": 0.0})
 
     def validate() -> None:
@@ -296,8 +296,8 @@ def _train(
         record({"step": step, "train_loss": float(loss_sum.detach()) / max(n, 1),
                 "val_loss": vl, "elapsed_s": time.time() - t0,
                 "lr": float(engine.get_lr()[0])})  # fmt: skip
-        bar.set_postfix(val_loss=f"{vl:.4f}", best=f"{policy.best:.4f}",
-                        lr_cuts=policy.cuts(s.lr_cuts), refresh=False)  # fmt: skip
+        bar.set_postfix(val_loss=f"{vl:.4f}", best=f"{rules.best:.4f}",
+                        lr_cuts=rules.cuts(s.lr_cuts), refresh=False)  # fmt: skip
 
     for _epoch in epochs:
         order = list(range(len(train)))
@@ -307,16 +307,16 @@ def _train(
             batch = _collate([train[i] for i in idx], tok.pad_token_id, device)
             loss_sum, n = _token_loss(engine, batch)
             engine.backward(loss_sum / max(n, 1))
-            policy.before_optimizer_step(step)
+            rules.before_optimizer_step(step)
             engine.step()
             step += 1
             bar.update(1)
-            spent = policy.after_step(device, world)
+            spent = rules.after_step(device, world)
             if step % s.eval_every == 0 or spent:
                 validate()
-            if policy.stopped:
+            if rules.stopped:
                 break
-        if policy.stopped:
+        if rules.stopped:
             break
     if not history or history[-1]["step"] != step:
         validate()  # max_epochs ended it between validations: the last step counts too
@@ -324,17 +324,17 @@ def _train(
     if log:
         log.close()
     extra: dict[str, Any] = {}
-    if getattr(policy, "selection", None) is not None:  # the last weights too, evaluated beside
-        save_policy(engine, tok, out_dir.with_name(out_dir.name + "_last"), rank,
+    if getattr(rules, "selection", None) is not None:  # the last weights too, evaluated beside
+        save_policy(engine, tok, last_dir(out_dir), rank,
                     cfg.deepspeed.zero_stage)  # fmt: skip
-        extra["selection"] = policy.selection.summary(step)
-    plateau = getattr(policy, "plateau", None)
+        extra["selection"] = rules.selection.summary(step)
+    plateau = getattr(rules, "plateau", None)
     return {
         **extra,
-        "best_val_loss": policy.best,
+        "best_val_loss": rules.best,
         "steps": step,
         "epochs": step / steps_per_epoch,
-        "early_stopped": isinstance(policy, _PlateauStop) and policy.stopped,
+        "early_stopped": isinstance(rules, _PlateauStop) and rules.stopped,
         "lr_cuts": plateau.cuts_made if plateau else 0,
         "seconds": time.time() - t0,
         "history": history,

@@ -105,6 +105,15 @@ def paired_difference(
     return {"diff": mean, "ci_low": mean - half, "ci_high": mean + half, "n": float(n)}
 
 
+def paired_strict_lenient(
+    a: list[dict[str, Any]], b: list[dict[str, Any]]
+) -> dict[str, dict[str, float]]:
+    """b - a on the same problems, read strictly and leniently: {"strict": ..., "lenient": ...}
+    (each as paired_difference)."""
+    return {"strict": paired_difference(a, b),
+            "lenient": paired_difference(a, b, key="correct_lenient")}  # fmt: skip
+
+
 def markdown_table(report: dict[str, Any]) -> str:
     """One row per set: accuracy with its interval, and pass@k / maj@k when sampled."""
     ks = sorted(

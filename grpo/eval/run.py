@@ -14,7 +14,7 @@ import torch
 
 from grpo.config import Config
 from grpo.data.sets import eval_set
-from grpo.eval.metrics import markdown_table, summarize
+from grpo.eval.metrics import format_paired, markdown_table, paired_strict_lenient, summarize
 from grpo.models.generate import generate
 from grpo.models.loading import eos_token_ids
 from grpo.models.prompts import (
@@ -259,3 +259,43 @@ def default_report_dir(cfg: Config, model: str | Path) -> Path:
     return (
         cfg.run_dir() / "eval" / f"{path.name}-{hashlib.sha256(str(path).encode()).hexdigest()[:8]}"
     )
+
+
+def evaluate_against_baseline(
+    cfg: Config, model_dir: str, baseline_dir: str, sets: list[str], out_dir: str, *,
+    samples: int = 1, limit: int | None = None, base: str | None = None,
+) -> tuple[dict[str, Any], str]:  # fmt: skip
+    """Evaluate a model and a baseline on the same problems and samples, paired.
+
+    Args:
+        cfg: the config (eval settings, prompts).
+        model_dir: the model evaluated; its report goes to out_dir.
+        baseline_dir: the model it is compared with; its report goes to out_dir + "_baseline".
+        sets: the evaluation sets.
+        out_dir: where the combined report (report.json) is written.
+        samples, limit, base: as evaluate_model.
+
+    Returns the model's report with the baseline's ("baseline") and the paired differences by
+    set ("paired_vs_baseline": strict and lenient), and the lines that print them."""
+    report = evaluate_model(cfg, model_dir, sets, out_dir, samples=samples, limit=limit,
+                            base=base)  # fmt: skip
+    base_out = f"{out_dir}_baseline"
+    base_report = evaluate_model(cfg, baseline_dir, sets, base_out, samples=samples, limit=limit,
+                                 base=base)  # fmt: skip
+    mine = [json.loads(x) for x in Path(out_dir, "samples.jsonl").open()]
+    theirs = [json.loads(x) for x in Path(base_out, "samples.jsonl").open()]
+    lines = [
+        markdown_table(report),
+        f"baseline\n\n{markdown_table(base_report)}",
+        f"{model_dir} - {baseline_dir} (same problems and samples, paired 95% CI):",
+    ]
+    paired = {}
+    for s in sets:
+        paired[s] = paired_strict_lenient([r for r in theirs if r["set"] == s],
+                                          [r for r in mine if r["set"] == s])  # fmt: skip
+        lines.append(f"  {s:16s} {format_paired(paired[s]['strict'])}  "
+                     f"lenient {format_paired(paired[s]['lenient'])}")  # fmt: skip
+    # one report for both models: the baseline's own numbers, then the differences
+    report = {**report, "baseline": base_report, "paired_vs_baseline": paired}
+    Path(out_dir, "report.json").write_text(json.dumps(report, indent=2))
+    return report, "\n".join(lines)

@@ -26,6 +26,16 @@ CHECKPOINT_KEYS = {SELECT_KEY: "checkpoint/select_accuracy",
                    INRUN_KEY: "checkpoint/inrun_subset_accuracy"}  # fmt: skip
 
 
+def last_dir(selected: Path) -> Path:
+    """Where a run with a selection split keeps its last step's weights, beside the selected
+    step's (policy/ -> policy_last/), for both to be evaluated.
+
+    >>> last_dir(Path("run/grpo/policy")).as_posix()
+    'run/grpo/policy_last'
+    """
+    return selected.with_name(selected.name + "_last")
+
+
 def curve_key(rows: list[dict]) -> str:
     """Which in-run accuracy a run's metric rows carry: SELECT_KEY when any row has it.
 

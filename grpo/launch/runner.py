@@ -8,10 +8,12 @@ and the Prefect tasks call these.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -222,18 +224,34 @@ def stop_started(grace_s: float = GRACE_S) -> int:
     return len(procs)
 
 
-def stop_processes(procs: list[subprocess.Popen], grace_s: float = GRACE_S) -> None:
-    """SIGTERM to each process still running, SIGKILL to those alive `grace_s` later."""
-    alive = [p for p in procs if p.poll() is None]
-    for p in alive:
-        p.terminate()
+def stop_processes(
+    procs: list[subprocess.Popen], grace_s: float = GRACE_S, *, groups: bool = False
+) -> None:
+    """SIGTERM to each process still running, SIGKILL to those alive `grace_s` later.
+
+    groups: each process leads a process group of its own, and the signals go to the whole
+    group; SIGKILL then goes to every group, since a group may outlive its leader."""
+
+    def signal_(p: subprocess.Popen, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            if groups:
+                os.killpg(p.pid, sig)
+            else:
+                p.send_signal(sig)
+
+    for p in procs:
+        if p.poll() is None:
+            signal_(p, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    for p in alive:
+    for p in procs:
         try:
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            p.kill()
+            signal_(p, signal.SIGKILL)
             p.wait()
+        else:
+            if groups:
+                signal_(p, signal.SIGKILL)
 
 
 def _watch(procs: list[subprocess.Popen], codes: list[int]) -> None:
@@ -256,9 +274,9 @@ def remove_shm_buffers(plan: list[Launch]) -> list[Path]:
     """Remove the shared-memory all-reduce buffers the ranks of `plan` left behind.
 
     DeepSpeed's CPU collective (deepspeed_shm_comm) creates one 69 MB buffer per rank in
-    /dev/shm, named after rank 0's address and port, and never unlinks it: every multi-rank run
-    on a CPU left 138 MB of RAM behind, until a day of runs had taken 18 GB and the kernel's
-    OOM killer stopped a process. Called once every rank has exited."""
+    /dev/shm, named after rank 0's address and port, and never unlinks it: left alone, every
+    multi-rank run on a CPU leaves 138 MB of RAM behind, and a day of runs fills memory until
+    the kernel's OOM killer stops a process. Called once every rank has exited."""
     ports = {launch.env["MASTER_PORT"] for launch in plan if "MASTER_PORT" in launch.env}
     for launch in plan:
         if "--master_port" in launch.cmd:

@@ -76,16 +76,26 @@ def test_utilization_counts_the_matmuls_of_both_phases(tmp_path):
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = {line.split("|")[1].strip(): line.split("|") for line in out.read_text().splitlines()
+    import re
+
+    from grpo.config import load_config
+
+    text = out.read_text()
+    rows = {line.split("|")[1].strip(): line.split("|") for line in text.splitlines()
             if line.startswith("| sampling") or line.startswith("| update")}  # fmt: skip
     assert set(rows) == {"sampling", "update"}
-    for cells in rows.values():
-        seconds, gflop, calls = float(cells[2]), float(cells[3]), int(cells[4].split()[0])
-        achieved, matmul, ideal = float(cells[5]), float(cells[6]), float(cells[7])
-        share = float(cells[8].strip().rstrip("%")) / 100
-        assert gflop > 0 and calls > 0
-        # the report's arithmetic (to its printed rounding): FLOP/s achieved = FLOP / s, the
-        # ideal time = FLOP at torch.matmul's speed, the share = achieved / matmul = ideal / s
-        assert achieved == pytest.approx(gflop / seconds, rel=0.02, abs=0.1)
-        assert ideal == pytest.approx(gflop / matmul, rel=0.02, abs=2e-3)
-        assert share == pytest.approx(achieved / matmul, rel=0.02, abs=2e-3)
+    # the counted FLOPs against a count by hand from the model's shape: every completion token
+    # passes each block's linears (q, k, v, o, gate, up, down) forward when sampled, and
+    # forward and backward (3x) in the update; prompts and attention only add to that. A
+    # counter that missed addmm or linear, or counted m k n without the 2, falls below.
+    t = load_config(None).model.tiny
+    kv = t.hidden_size // t.num_heads * t.num_kv_heads
+    per_block = 2 * t.hidden_size * t.hidden_size + 2 * t.hidden_size * kv
+    per_block += 3 * t.hidden_size * t.intermediate_size
+    linear = per_block * t.num_layers
+    tokens = float(re.search(r"about ([0-9.]+) completion tokens", text).group(1))
+    floor = {"sampling": 2 * linear * tokens / 1e9, "update": 6 * linear * tokens / 1e9}
+    for phase, cells in rows.items():
+        gflop, calls = float(cells[3]), int(cells[4].split()[0])
+        assert calls > 0
+        assert floor[phase] <= gflop <= 4 * floor[phase] + 0.5, (phase, gflop, floor[phase])

@@ -1,6 +1,7 @@
 """The whole flow through a real temporary Prefect API and a real sqlite MLflow store."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -688,8 +689,11 @@ def _compare_the_two_nights(c, tmp: Path, name: str, first: dict, second: dict) 
     paired = {(r["model"], r["set"]): r for r in got["paired"]}
     assert paired[("grpo", "synthetic")]["diff"] == pytest.approx(by_hand)
     assert paired[("grpo", "synthetic")]["n"] == len(ca)
-    assert paired[("grpo", "synthetic")]["ci_low"] <= by_hand <= paired[("grpo", "synthetic")][
-        "ci_high"]  # fmt: skip
+    # the interval by hand: mean -+ 1.96 x the standard error of the per-problem differences
+    d = [cb[i] - ca[i] for i in ca]
+    se = math.sqrt(sum((x - by_hand) ** 2 for x in d) / (len(d) - 1) / len(d))
+    assert paired[("grpo", "synthetic")]["ci_low"] == pytest.approx(by_hand - 1.959964 * se)
+    assert paired[("grpo", "synthetic")]["ci_high"] == pytest.approx(by_hand + 1.959964 * se)
     assert {"model": "champion", "set": "*", "why": "not evaluated in A"} in got["unpaired"]
     costs = {r["what"]: r for r in got["costs"]}
     assert (costs["GRPO steps"]["A"], costs["GRPO steps"]["B"]) == (1.0, 2.0)

@@ -103,6 +103,21 @@ def test_two_grpo_steps_and_an_evaluation_on_the_real_model(smollm2, tmp_path):
     assert sel["selected_step"] == min(s for s, a in curve if a == best)
     for name in ("policy", "policy_last"):
         assert (tmp_path / "grpo" / name / "model.safetensors").is_file()
+    # logged as the stage does: the selected step's model carries its selection accuracy
+    import mlflow
+
+    from tasks.serving import log_checkpoint_models, log_policy
+
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    c = mlflow.MlflowClient()
+    run_id = c.create_run(c.create_experiment("smollm2")).info.run_id
+    step = sel["selected_step"]
+    uri = log_policy(run_id, tmp_path / "grpo" / "policy", {}, step=step)
+    log_checkpoint_models(c, run_id, tmp_path / "grpo", rows, {}, final=(step, uri),
+                          dataset=("select[:6]", "digest"))  # fmt: skip
+    (linked,) = [m for m in mlflow.get_logged_model(uri.removeprefix("models:/")).metrics
+                 if m.key == "checkpoint/select_accuracy"]  # fmt: skip
+    assert (linked.value, linked.step, linked.dataset_name) == (best, step, "select[:6]")
     # the evaluate stage evaluates policy_last again only when it holds other weights (two
     # steps whose groups all scored alike leave them unchanged)
     from safetensors.torch import load_file

@@ -6,13 +6,11 @@ import contextlib
 import os
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 from grpo.launch.paths import file_lock
+from infra.supervision import wait_http
 
 
 @contextlib.contextmanager
@@ -90,13 +88,4 @@ def _drain_to_server(timeout_s: float = 10) -> None:
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the temporary Prefect server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2):
-                return
-        except (urllib.error.URLError, OSError):
-            time.sleep(0.1)
-    raise RuntimeError(f"the temporary Prefect server did not answer at {url} in {seconds:.0f}s")
+    wait_http(f"{url}/health", seconds, "the temporary Prefect server", proc=proc, interval=0.1)
