@@ -69,21 +69,13 @@ def grpo_pipeline(params: PipelineParams = PipelineParams()) -> Any:  # noqa: B0
     try:
         stages.validate_data(cfg, pid, run_dir)
         ref = stages.build_reference(cfg, pid)
-        trained, control = _train_with_control(cfg, pid, ref, run_dir, params.control)
-        models = {"reference": ref, "grpo": trained["policy"]}
-        if control:
-            models["sft_continued"] = control
-        # with a selection split, the last steps' weights are evaluated beside the selected
-        if trained.get("last_policy"):
-            models["grpo_last"] = trained["last_policy"]
-        if control and last_dir(Path(control)).is_dir():
-            models["sft_continued_last"] = str(last_dir(Path(control)))
+        candidate, trained, models = _train(cfg, pid, ref, run_dir, params.control)
         # the current champion, evaluated on the same problems: the gate's paired evidence
         champ = registry.champion(cfg, run_dir / "champion")
         if champ["path"]:
             models["champion"] = champ["path"]
-        ev = stages.evaluate(cfg, pid, models, run_dir)
-        reg = stages.register_model(cfg, trained, ref, ev, champ)
+        ev = stages.evaluate(cfg, pid, models, run_dir, candidate)
+        reg = stages.register_model(cfg, trained, ref, ev, champ, candidate)
         if reg["awaiting_approval"]:
             reg = _await_approval(cfg, reg, ev["markdown"])
     except (KeyboardInterrupt, TerminationSignal) as e:
@@ -125,6 +117,37 @@ def _await_approval(cfg: Any, reg: dict[str, Any], evidence_md: str) -> dict[str
     create_markdown_artifact(key="promotion", markdown=reg["decision"],
                              description="the approved or rejected promotion")  # fmt: skip
     return reg
+
+
+def _train(
+    cfg: Any, pid: str, ref: str, run_dir: Path, control: bool
+) -> tuple[str, dict[str, Any], dict[str, str]]:
+    """The training stages of config's method: GRPO with its controls (SFT continued for the
+    same wall time, RFT for the same sampled completions, as configured), or RFT alone. Returns
+    the candidate's label (what is registered), its stage result and every model to evaluate
+    by label; with a selection split the last steps' weights beside the selected."""
+    from tasks import stages
+
+    if cfg.method == "rft":
+        rft = stages.rft_stage(cfg, pid, ref, run_dir, stages.rft_budget(cfg, run_dir))
+        models = {"reference": ref, "rft": rft["policy"]}
+        if rft.get("selection"):
+            models["rft_last"] = rft["last_policy"]
+        return "rft", rft, models
+    trained, sft_control = _train_with_control(cfg, pid, ref, run_dir, control)
+    models = {"reference": ref, "grpo": trained["policy"]}
+    if sft_control:
+        models["sft_continued"] = sft_control
+    if trained.get("last_policy"):
+        models["grpo_last"] = trained["last_policy"]
+    if sft_control and last_dir(Path(sft_control)).is_dir():
+        models["sft_continued_last"] = str(last_dir(Path(sft_control)))
+    if cfg.rft.enabled:
+        rft = stages.rft_stage(cfg, pid, ref, run_dir, stages.rft_budget(cfg, run_dir))
+        models["rft"] = rft["policy"]
+        if rft.get("selection"):
+            models["rft_last"] = rft["last_policy"]
+    return "grpo", trained, models
 
 
 def _train_with_control(

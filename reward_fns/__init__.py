@@ -31,8 +31,10 @@ unchanged (tests/integration/test_trl_compat.py). Functions given by import path
 from reward_fns.accuracy import accuracy, extract_answer, gold_parses, is_correct
 from reward_fns.format import format_reward, soft_overlong_penalty
 from reward_fns.process import arithmetic_steps, column_steps
+from reward_fns.reasoning_gym import lenient_entry, reasoning_gym_reward, score_entry
 from reward_fns.registry import PROCESS_REWARDS, REWARD_FUNCS
 from reward_fns.scoring import RewardFunctionError, resolve, score, with_time_limit
+from reward_fns.verdict import verdicts
 
 __all__ = [
     "PROCESS_REWARDS",
@@ -45,8 +47,12 @@ __all__ = [
     "format_reward",
     "gold_parses",
     "is_correct",
+    "lenient_entry",
+    "reasoning_gym_reward",
+    "score_entry",
     "resolve",
     "score",
     "soft_overlong_penalty",
+    "verdicts",
     "with_time_limit",
 ]

@@ -148,7 +148,16 @@ def metric_rows(a: Any, b: Any) -> list[dict[str, Any]]:
 
 
 def _model_order(label: str) -> tuple[int, str]:
-    known = ("reference", "grpo", "sft_continued", "grpo_last", "sft_continued_last", "champion")
+    known = (
+        "reference",
+        "grpo",
+        "sft_continued",
+        "rft",
+        "grpo_last",
+        "sft_continued_last",
+        "rft_last",
+        "champion",
+    )
     return (known.index(label), "") if label in known else (len(known), label)
 
 

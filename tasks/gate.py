@@ -98,10 +98,18 @@ def promotion_set(metric: str) -> str:
 def describe(cfg_summary: dict[str, Any], table_md: str) -> str:
     """The model version's description: what was trained, from what, on what, and the result
     (the registry appends the gate's decision)."""
+    s = cfg_summary
+    if s.get("method", "grpo") == "rft":
+        what = (
+            f"RFT policy of run `{s['run_name']}`: {s['rounds']} rounds of rejection "
+            f"sampling, at most {s['max_per_prompt']} correct completions a prompt."
+        )
+    else:
+        what = (f"GRPO policy of run `{s['run_name']}`: {s['steps']} steps of {s['prompts']} "
+                f"prompts x {s['group']} completions, loss {s['loss']}, lr {s['lr']:g}, beta "
+                f"{s['beta']:g}.")  # fmt: skip
     lines = [
-        f"GRPO policy of run `{cfg_summary['run_name']}`: {cfg_summary['steps']} steps of "
-        f"{cfg_summary['prompts']} prompts x {cfg_summary['group']} completions, "
-        f"loss {cfg_summary['loss']}, lr {cfg_summary['lr']:g}, beta {cfg_summary['beta']:g}.",
+        what,
         f"Reference (pi_ref and the starting policy): `{cfg_summary['reference']}`.",
         f"Training data: {cfg_summary['data']}.",
         "",

@@ -24,7 +24,7 @@ SYSTEM_METRICS_S = 5
 # on their own in the MLflow UI (the parent keeps the whole config)
 STAGE_SECTIONS = {
     "validate": ("data",), "sft": ("model", "sft", "data"), "grpo": ("grpo", "model", "deepspeed"),
-    "sft_continued": ("sft", "model"), "evaluate": ("eval",),
+    "sft_continued": ("sft", "model"), "evaluate": ("eval",), "rft": ("rft", "sft", "model"),
 }  # fmt: skip
 
 
@@ -115,6 +115,14 @@ def dataset_inputs(cfg: Config) -> list[Any]:
     def source(path: str | Path | None, what: str) -> Any:
         if path:  # MLflow resolves a file URI to its local-file source
             return Path(path).resolve().as_uri()
+        if cfg.data.task == "reasoning_gym" or what.startswith("rg:"):
+            from grpo.data import reasoning_gym
+
+            about = reasoning_gym.inputs_description(cfg.data)
+            return CodeDatasetSource({
+                "generator": "reasoning-gym", "version": about["version"], "set": what,
+                "generators": json.dumps(about["generators"], sort_keys=True),
+            })  # fmt: skip
         return CodeDatasetSource({"generator": "grpo.data.synthetic", "set": what,
                                   "seed": str(cfg.data.seed)})  # fmt: skip
 
@@ -132,7 +140,9 @@ def dataset_inputs(cfg: Config) -> list[Any]:
         # (lazily), so it is inside too: outside, five hints a run reached the log
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            ds = mlflow.data.from_pandas(pd.DataFrame(rows), source=src, name=name)
+            # a reasoning-gym entry is a nested dict (its source tags say how it was drawn)
+            frame = pd.DataFrame([{k: v for k, v in r.items() if k != "rg_entry"} for r in rows])
+            ds = mlflow.data.from_pandas(frame, source=src, name=name)
             dataset = Dataset(**ds.to_dict())
         tag = InputTag(key="mlflow.data.context", value=context)
         out.append(DatasetInput(dataset=dataset, tags=[tag]))
@@ -186,6 +196,17 @@ def _log_reference_once(c: Any, run_id: str, ref: Path) -> None:
     c.set_tag(run_id, "reference_logged", "true")
 
 
+def served_model_config(cfg: Config) -> dict[str, Any]:
+    """How a logged policy is served: its prompt format and completion length."""
+    from grpo.models.prompts import SYSTEM_PROMPT
+
+    return {
+        "chat_template": cfg.model.chat_template,
+        "system_prompt": cfg.model.system_prompt or SYSTEM_PROMPT,
+        "max_new_tokens": cfg.eval.max_new_tokens or cfg.grpo.max_completion_length,
+    }
+
+
 @task(name="train-grpo", retries=1, retry_delay_seconds=5)
 def train_policy(
     cfg: Config, parent_id: str, reference: str, run_dir: Path, threads: int | None = None,
@@ -201,7 +222,6 @@ def train_policy(
     from grpo.engine.run_files import trim_jsonl
     from grpo.launch.run_dir import checkpoint_step
     from grpo.launch.runner import run_grpo
-    from grpo.models.prompts import SYSTEM_PROMPT
     from tasks.serving import log_checkpoint_models, log_policy
 
     log = get_run_logger()
@@ -223,11 +243,7 @@ def train_policy(
         rows = tracking.read_jsonl(out / "metrics.jsonl")
         tracking.mirror_to_parent(c, parent_id, rows, summary["seconds"])
         tracking.log_grpo_files(c, run_id, out, rows, f"GRPO {cfg.run_name}")
-        model_config = {
-            "chat_template": cfg.model.chat_template,
-            "system_prompt": cfg.model.system_prompt or SYSTEM_PROMPT,
-            "max_new_tokens": cfg.eval.max_new_tokens or cfg.grpo.max_completion_length,
-        }
+        model_config = served_model_config(cfg)
         selection = summary.get("selection")
         # with a selection split, policy/ holds the selected step (grpo.eval.selection)
         step = selection["selected_step"] if selection else cfg.grpo.steps
@@ -324,8 +340,56 @@ def sft_control(
     return str(out)
 
 
+@task(name="rft")
+def rft_stage(
+    cfg: Config, parent_id: str, reference: str, run_dir: Path, completions: int
+) -> dict[str, Any]:
+    """Rejection-sampling fine-tuning from the reference (grpo.engine.rft), sampling as many
+    completions as GRPO did: a control beside GRPO, or the method (method: rft), then its
+    model is logged for registration."""
+    from grpo.launch.runner import run_rft
+
+    log = get_run_logger()
+    out = run_dir / "rft"
+    with stage_run(cfg, parent_id, "rft") as run_id:
+        summary = run_rft(cfg, Path(reference), out, completions, log=log.info)
+        c = tracking.client(cfg)
+        rounds = tracking.read_jsonl(out.with_name(out.name + "_metrics.jsonl"))
+        rows = [{**r, "step": r["round"]} for r in rounds]
+        tracking.log_step_metrics(c, run_id, rows, prefix="rft/")
+        for k in ("budget", "sampled", "kept", "sft_steps", "rounds", "seconds"):
+            c.log_metric(run_id, f"rft/{k}", float(summary[k]))
+        # what matches GRPO's compute: the completions sampled (grpo.engine.rft says why)
+        c.set_tag(run_id, "compute_match", f"{completions} sampled completions, as GRPO's")
+        model_uri, selection = None, summary.get("selection")
+        if selection:
+            c.set_tag(run_id, "selection.round", str(selection["selected_step"]))
+            c.set_tag(run_id, "selection.rule", selection["rule"])
+            c.log_dict(run_id, selection, "selection/rft.json")
+        if cfg.method == "rft":  # the model registered: logged as GRPO's is
+            from tasks.serving import log_policy
+
+            step = selection["selected_step"] if selection else summary["rounds"]
+            model_uri = log_policy(run_id, out, served_model_config(cfg), step=step)
+    return {"policy": str(out), "run_id": run_id, "seconds": summary["seconds"],
+            "model_uri": model_uri, "selection": selection,
+            "last_policy": str(last_dir(out))}  # fmt: skip
+
+
+def rft_budget(cfg: Config, run_dir: Path) -> int:
+    """The completions RFT may sample: what GRPO's metrics say it sampled (dynamic sampling's
+    extra rounds counted), else GRPO's configured steps x prompts x group."""
+    from grpo.engine.rft import completion_budget
+
+    g = cfg.grpo
+    rows = tracking.read_jsonl(run_dir / "grpo" / "metrics.jsonl")
+    per_step = [r.get("sampling/rounds", 1.0) * g.prompts_per_step * g.num_generations
+                for r in rows if r.get("step", 0) > 0 and "reward" in r]  # fmt: skip
+    return completion_budget(cfg, per_step or None)
+
+
 # the models the pipeline compares, evaluated with sampled pass@k beside greedy decoding
-PASS_K_MODELS = ("grpo", "sft_continued")
+PASS_K_MODELS = ("grpo", "sft_continued", "rft")
 
 
 def _reuse_evaluation(src: Path, out: Path, model: str, same: str) -> dict[str, Any]:
@@ -360,8 +424,11 @@ def plan_evaluations(digests: dict[str, str], sampled: tuple[str, ...]) -> dict[
 
 
 @task(name="evaluate")
-def evaluate(cfg: Config, parent_id: str, models: dict[str, str], run_dir: Path) -> dict:
-    """Every model on the same held-out problems; paired differences against the reference."""
+def evaluate(
+    cfg: Config, parent_id: str, models: dict[str, str], run_dir: Path, candidate: str = "grpo"
+) -> dict:
+    """Every model on the same held-out problems; paired differences against the reference,
+    GRPO against its controls, and the candidate (grpo or rft) against the champion."""
     import pandas as pd
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
@@ -398,7 +465,8 @@ def evaluate(cfg: Config, parent_id: str, models: dict[str, str], run_dir: Path)
             samples[label] = tracking.read_jsonl(out / "samples.jsonl")
             tracking.log_evaluation(cfg, run_id, reports[label], out, prefix=f"{label}/",
                                     metrics=False)  # fmt: skip
-        table, metrics, paired = comparison(cfg.eval.sets, list(models), reports, samples)
+        table, metrics, paired = comparison(cfg.eval.sets, list(models), reports, samples,
+                                            candidate)  # fmt: skip
         # the held-out numbers once, on the parent run, where the runs list and a comparison of
         # two pipelines show them; this run keeps the tables and per-sample files
         tracking.log_metrics(c, parent_id, metrics)
@@ -412,26 +480,37 @@ def evaluate(cfg: Config, parent_id: str, models: dict[str, str], run_dir: Path)
 
 @task(name="register-model", retries=2, retry_delay_seconds=5)
 def register_model(
-    cfg: Config, trained: dict[str, Any], reference: str, ev: dict, champ: dict[str, Any]
+    cfg: Config,
+    trained: dict[str, Any],
+    reference: str,
+    ev: dict,
+    champ: dict[str, Any],
+    candidate: str = "grpo",
 ) -> dict[str, Any]:
-    """Registry version with evaluation tags; challenger always, champion through the gate."""
+    """Registry version of the candidate (grpo, or rft with method: rft) with evaluation
+    tags; challenger always, champion through the gate."""
     from tasks.gate import describe, promotion_set
     from tasks.registry import register
 
     metrics = ev["metrics"]
-    own = {k.removeprefix("grpo/"): v for k, v in metrics.items() if k.startswith("grpo/")}
+    own = {k.removeprefix(f"{candidate}/"): v for k, v in metrics.items()
+           if k.startswith(f"{candidate}/")}  # fmt: skip
     s = promotion_set(cfg.tracking.promotion_metric)
-    vs_champion = ev["paired"].get("grpo_vs_champion", {}).get(s)
+    vs_champion = ev["paired"].get(f"{candidate}_vs_champion", {}).get(s)
     g = cfg.grpo
     summary = {
-        "run_name": cfg.run_name, "steps": g.steps, "prompts": g.prompts_per_step,
-        "group": g.num_generations, "loss": g.loss_type, "lr": g.lr, "beta": g.beta,
+        "run_name": cfg.run_name, "method": candidate,
         "reference": str(Path(reference).resolve()),  # absolute: read from anywhere
         "data": f"{cfg.data.task} (digest {cfg.digest('data')})",
     }  # fmt: skip
+    if candidate == "grpo":
+        summary |= {"steps": g.steps, "prompts": g.prompts_per_step, "group": g.num_generations,
+                    "loss": g.loss_type, "lr": g.lr, "beta": g.beta}  # fmt: skip
+    else:
+        summary |= {"rounds": cfg.rft.rounds, "max_per_prompt": cfg.rft.max_per_prompt}
     reg = register(
         cfg, trained["run_id"], trained["model_uri"], own,
-        vs_reference=ev["paired"].get("grpo", {}).get(s), vs_champion=vs_champion,
+        vs_reference=ev["paired"].get(candidate, {}).get(s), vs_champion=vs_champion,
         champion_version=champ["version"],
         description=describe(summary, ev["markdown"]),
     )  # fmt: skip
@@ -444,10 +523,10 @@ def register_model(
         tag("checkpoint/last_step", str(selection["last_step"]))
         # the last step's held-out numbers beside the selected step's
         for k, v in metrics.items():
-            if k.startswith("grpo_last/") and "/accuracy" in k:
-                tag(f"last_step/{k.removeprefix('grpo_last/')}", f"{v:.4f}")
+            if k.startswith(f"{candidate}_last/") and "/accuracy" in k:
+                tag(f"last_step/{k.removeprefix(f'{candidate}_last/')}", f"{v:.4f}")
     else:
-        tag("checkpoint/step", str(g.steps))
+        tag("checkpoint/step", str(g.steps if candidate == "grpo" else cfg.rft.rounds))
         tag("checkpoint/selection",
             "the last step: no selection split (data.num_select); a choice by accuracy on the "
             "held-out problems would bias the gate's paired test on them")  # fmt: skip

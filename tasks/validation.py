@@ -39,22 +39,31 @@ def _frame(
 ) -> Any:
     import pandas as pd
 
-    df = pd.DataFrame(rows)
+    # a reasoning-gym entry is a nested dict: its generator checks answers, not math-verify
+    df = pd.DataFrame([{k: v for k, v in r.items() if k != "rg_entry"} for r in rows])
     if "prompt" in df:
         df["prompt_tokens"] = prompt_token_counts(tok, cfg, [str(p) for p in df["prompt"]])
     if "answer" in df:
-        df["answer_parses"] = [gold_parses(a) for a in df["answer"]]
+        df["answer_parses"] = [
+            bool(str(r["answer"]).strip()) if r.get("rg_entry") is not None
+            else gold_parses(r["answer"]) for r in rows
+        ]  # fmt: skip
     if train_prompts is not None and "prompt" in df:
         df["in_training_data"] = [normalise(p) in train_prompts for p in df["prompt"]]
     return df
 
 
-def _suite(name: str, df: Any, kind: str, min_rows: int, max_prompt_tokens: int) -> Any:
+def _suite(
+    name: str, df: Any, kind: str, min_rows: int, max_prompt_tokens: int,
+    exact_rows: int | None = None,
+) -> Any:  # fmt: skip
     import great_expectations as gx
     import great_expectations.expectations as gxe
 
     suite = gx.ExpectationSuite(name=name)
     suite.add_expectation(gxe.ExpectTableRowCountToBeBetween(min_value=min_rows))  # empty sets
+    if exact_rows is not None:  # a generated set: the size the config asked for
+        suite.add_expectation(gxe.ExpectTableRowCountToEqual(value=exact_rows))
     for col in ("id", "prompt", "answer"):
         suite.add_expectation(gxe.ExpectColumnToExist(column=col))  # schema
         suite.add_expectation(gxe.ExpectColumnValuesToNotBeNull(column=col))
@@ -85,14 +94,22 @@ def _suite(name: str, df: Any, kind: str, min_rows: int, max_prompt_tokens: int)
 
 
 def _validate_one(
-    ctx: Any, source: Any, name: str, df: Any, kind: str, cfg: Config, eval_limit: int | None
+    ctx: Any,
+    source: Any,
+    name: str,
+    df: Any,
+    kind: str,
+    cfg: Config,
+    eval_limit: int | None,
+    exact_rows: int | None = None,
 ) -> tuple[dict[str, Any], list[str]]:
     """One dataset's suite run as a checkpoint: its summary, and a line per failure."""
     import great_expectations as gx
 
     asset = source.add_dataframe_asset(name)
     batch_def = asset.add_batch_definition_whole_dataframe(f"{name}_all")
-    suite = ctx.suites.add(_suite(f"{name}_suite", df, kind, 1, cfg.grpo.max_prompt_length))
+    suite = ctx.suites.add(_suite(f"{name}_suite", df, kind, 1, cfg.grpo.max_prompt_length,
+                                  exact_rows))  # fmt: skip
     vd = ctx.validation_definitions.add(
         gx.ValidationDefinition(name=f"{name}_validation", data=batch_def, suite=suite)
     )
@@ -138,6 +155,14 @@ def validate_datasets(cfg: Config, docs_dir: Path) -> dict[str, Any]:
         datasets["select"] = (sets["select"], "heldout")
     for name in cfg.eval.sets:
         datasets[f"heldout_{set_label(name)}"] = (eval_set(name, cfg), "heldout")
+    # generated sets have the sizes the config asked for (files have what they have)
+    d = cfg.data
+    sizes: dict[str, int] = {}
+    if d.task == "reasoning_gym":
+        sizes = {"train": d.num_train, "sft": d.num_sft, "sft_val": d.num_sft_val,
+                 "select": d.num_select}  # fmt: skip
+        sizes |= {f"heldout_{set_label(n)}": d.num_heldout for n in cfg.eval.sets
+                  if n.startswith("rg:")}  # fmt: skip
 
     ctx = gx.get_context(mode="ephemeral")
     # GE draws a bar per expectation batch ("Calculating Metrics", about ten lines per dataset
@@ -164,7 +189,8 @@ def validate_datasets(cfg: Config, docs_dir: Path) -> dict[str, Any]:
     for name, (rows, kind) in datasets.items():
         bar.set_postfix_str(name)
         df = _frame(rows, train_prompts if kind == "heldout" else None, tok, cfg)
-        results[name], failed = _validate_one(ctx, source, name, df, kind, cfg, eval_limit)
+        results[name], failed = _validate_one(ctx, source, name, df, kind, cfg, eval_limit,
+                                              sizes.get(name))  # fmt: skip
         failures += failed
         bar.update(len(rows))
     bar.close()

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from grpo.config.algorithm import GRPOConfig
 from grpo.config.base import Strict
@@ -25,6 +25,7 @@ from grpo.config.sections import (
     EvalConfig,
     LoRAConfig,
     ModelConfig,
+    RFTConfig,
     SFTConfig,
     TinyModelConfig,
     TrackingConfig,
@@ -42,6 +43,7 @@ __all__ = [
     "GRPOConfig",
     "LoRAConfig",
     "ModelConfig",
+    "RFTConfig",
     "SFTConfig",
     "TinyModelConfig",
     "TrackingConfig",
@@ -73,14 +75,17 @@ def _changed(section: Any, names: set[str]) -> list[str]:
 def switched_off_error(cfg: Config) -> str | None:
     """A setting given for a part that its switch turns off would be ignored without a word:
     name the first such setting and its switch, or None."""
-    g, lora = cfg.grpo, cfg.model.lora
+    g, lora, rft = cfg.grpo, cfg.model.lora, cfg.rft
     rules = [  # (the part is off, its settings changed from their defaults, section, switch)
+        (not rft.enabled and cfg.method != "rft",
+         _changed(rft, set(type(rft).model_fields) - {"enabled"}), "rft",
+         "rft.enabled=true or method=rft"),
         (not lora.enabled, _changed(lora, set(type(lora).model_fields) - {"enabled"}),
          "model.lora", "model.lora.enabled=true"),
         (not g.dynamic_sampling, _changed(g, {"max_sampling_rounds"}), "grpo",
          "grpo.dynamic_sampling=true"),
         (g.eval_every == 0, _changed(g, {"eval_limit"}), "grpo", "grpo.eval_every > 0"),
-        (g.eval_every == 0, _changed(cfg.data, {"num_select"}), "data",
+        (g.eval_every == 0 and cfg.method != "rft", _changed(cfg.data, {"num_select"}), "data",
          "grpo.eval_every > 0 (the selection's cadence)"),
         ("soft_overlong" not in g.reward_funcs, _changed(g, {"overlong_cache"}), "grpo",
          "soft_overlong in grpo.reward_funcs"),
@@ -111,6 +116,12 @@ class Config(Strict):
     data: DataConfig = DataConfig()
     sft: SFTConfig = SFTConfig()
     grpo: GRPOConfig = GRPOConfig()
+    method: Literal["grpo", "rft"] = Field(
+        "grpo",
+        description="what the pipeline trains and registers: GRPO (its controls beside it), or "
+        "RFT alone (rejection-sampling fine-tuning, section rft)",
+    )
+    rft: RFTConfig = RFTConfig()
     deepspeed: DeepSpeedConfig = DeepSpeedConfig()
     eval: EvalConfig = EvalConfig()
     tracking: TrackingConfig = TrackingConfig()
@@ -164,6 +175,11 @@ class Config(Strict):
             )
         if self.model.path and self.model.gguf:
             raise ValueError("model.path and model.gguf both name the model; give one")
+        if self.method == "rft" and self.rft.enabled:
+            raise ValueError(
+                "rft.enabled trains RFT beside GRPO; with method=rft RFT is what is trained and "
+                "registered (no GRPO): remove rft.enabled"
+            )
         if error := switched_off_error(self):
             raise ValueError(error)
         return self
@@ -179,8 +195,8 @@ class Config(Strict):
 
     @property
     def has_worked_solutions(self) -> bool:
-        """Whether there is SFT data (the synthetic task's, or data.sft_path)."""
-        return self.data.task == "synthetic" or bool(self.data.sft_path)
+        """Whether there is SFT data (the generated tasks', or data.sft_path)."""
+        return self.data.task in ("synthetic", "reasoning_gym") or bool(self.data.sft_path)
 
     def run_dir(self) -> Path:
         return Path(self.output_dir) / self.run_name

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -88,9 +88,35 @@ class ModelConfig(Strict):
         return v
 
 
+class GeneratorSpec(Strict):
+    """One reasoning-gym generator of a task mix (data.task reasoning_gym)."""
+
+    name: str = Field(description="a reasoning-gym generator, e.g. chain_sum, gcd")
+    weight: float = Field(1.0, gt=0, description="its share of every split, by weight")
+    config: dict[str, Any] = Field(
+        default_factory=dict, description="its reasoning-gym config (seed and size are ours)"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> GeneratorSpec:
+        if {"seed", "size"} & set(self.config):
+            raise ValueError(
+                f"{self.name}: seed and size are set per split by the pipeline (data.seed and "
+                "the data.num_* sizes); remove them from config"
+            )
+        return self
+
+
 class DataConfig(Strict):
-    task: Literal["synthetic", "files"] = Field(
-        "synthetic", description="synthetic arithmetic (embedded default) or your own files"
+    task: Literal["synthetic", "files", "reasoning_gym"] = Field(
+        "synthetic",
+        description="synthetic arithmetic (embedded default), your own files, or reasoning-gym "
+        "generators (data.generators)",
+    )
+    generators: list[GeneratorSpec] = Field(
+        default_factory=list,
+        description="reasoning_gym: the generators, each with a weight and its config; "
+        "held-out sets are eval sets rg:<name> (data.num_heldout problems each)",
     )
     seed: int = 1234
     num_sft: int = Field(300, ge=8, description="worked solutions for SFT (synthetic)")
@@ -127,6 +153,15 @@ class DataConfig(Strict):
             raise ValueError("ood_digits must exceed max_digits (the OOD set is harder)")
         if self.task == "files" and not self.train_path:
             raise ValueError("train_path is required when task is 'files'")
+        if self.task == "reasoning_gym" and not self.generators:
+            raise ValueError("data.task reasoning_gym needs data.generators (at least one)")
+        if self.task != "reasoning_gym" and self.generators:
+            raise ValueError(
+                "data.generators is set but would be ignored: it needs data.task=reasoning_gym"
+            )
+        names = [g.name for g in self.generators]
+        if len(set(names)) != len(names):
+            raise ValueError(f"data.generators: a generator is named twice ({names})")
         if self.task == "files" and self.num_select:
             raise ValueError(
                 "data.num_select draws a selection split of the synthetic task; with files, "
@@ -148,6 +183,26 @@ class DataConfig(Strict):
                     f"distinct sums; lower them (to about {int(pairs * 0.9)}) or raise max_digits"
                 )
         return self
+
+
+class RFTConfig(Strict):
+    """Rejection-sampling fine-tuning (RFT, expert iteration, STaR): from the same reference, on
+    GRPO's answer-only prompts, in rounds: sample, keep what the verifier marks correct, SFT on
+    it. A control beside GRPO (enabled), or the method itself (method: rft)."""
+
+    enabled: bool = Field(False, description="train the RFT control beside GRPO's")
+    rounds: int = Field(2, ge=1, description="sample-filter-train rounds")
+    samples_per_prompt: int | None = Field(
+        None, ge=1, description="k completions sampled per prompt (default grpo.num_generations)"
+    )
+    max_per_prompt: int = Field(
+        4, ge=1, description="m: at most this many distinct correct completions kept a prompt"
+    )
+    epochs: int = Field(1, ge=1, description="passes over a round's kept completions")
+    lr: float | None = Field(
+        None, gt=0, description="peak learning rate of each round's SFT, annealed over the "
+        "round (default sft.control_lr, else sft.lr)",
+    )  # fmt: skip
 
 
 class SFTConfig(Strict):

@@ -1,7 +1,8 @@
 """The datasets of a config: training sets (synthetic, or your files) and held-out sets by name.
 
-Held-out sets are named (synthetic, synthetic_ood, gsm8k, math500) or given by path with a
-column mapping ("path.jsonl:prompt=question,answer=final").
+Held-out sets are named (synthetic, synthetic_ood, gsm8k, math500, or rg:<generator> for a
+reasoning-gym generator) or given by path with a column mapping
+("path.jsonl:prompt=question,answer=final").
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ def training_sets(cfg: Config) -> dict[str, list[dict[str, Any]]]:
 
         sets = make_sets(d)
         return {k: sets[k] for k in ("sft", "sft_val", "train", "select")}
+    if d.task == "reasoning_gym":
+        from grpo.data import reasoning_gym
+
+        sets = reasoning_gym.make_sets(d)
+        return {k: sets[k] for k in ("sft", "sft_val", "train", "select")}
     train = _load_file(d.train_path, cfg, solution=False)
     out = {"train": train, "select": []}
     if d.sft_path:
@@ -63,8 +69,8 @@ NAMED_FILES = {"gsm8k": "gsm8k/test.jsonl", "math500": "math500/test.jsonl"}
 
 
 def eval_set_file(name: str) -> Path | None:
-    """The file an eval set is read from; None for the synthetic sets (generated)."""
-    if name in ("synthetic", "synthetic_ood"):
+    """The file an eval set is read from; None for the generated sets (synthetic, rg:)."""
+    if name in ("synthetic", "synthetic_ood") or name.startswith("rg:"):
         return None
     if name in NAMED_FILES:
         return data_dir() / NAMED_FILES[name]
@@ -78,13 +84,20 @@ def eval_set(name: str, cfg: Config) -> list[dict[str, Any]]:
 
         sets = make_sets(cfg.data)
         return sets["heldout" if name == "synthetic" else "heldout_ood"]
+    if name.startswith("rg:"):
+        from grpo.data import reasoning_gym
+
+        return reasoning_gym.eval_rows(name, cfg.data)
     if name == "gsm8k":
         return gsm8k_rows(eval_set_file(name))
     if name == "math500":
         return math500_rows(eval_set_file(name))
     path, _, mapping = name.partition(":")
     if not Path(path).suffix:
-        raise DataError(f"unknown eval set {name!r}; use one of {EVAL_SETS} or a file path")
+        raise DataError(
+            f"unknown eval set {name!r}; use one of {EVAL_SETS}, rg:<reasoning-gym generator> "
+            "or a file path"
+        )
     cols = {"prompt": "prompt", "answer": "answer", "id": "id"}
     for item in filter(None, mapping.split(",")):
         key, _, col = item.partition("=")

@@ -77,6 +77,19 @@ def fill_weights(buffers: dict[str, torch.Tensor], policy: torch.nn.Module) -> N
                 buffers[name].copy_(p.detach())
 
 
+def numeric_gap(model: torch.nn.Module, ro: Any, g: Any) -> float:
+    """Mean |log pi_v - log mu| over a rollout's tokens, pi_v the training forward at the very
+    weights v that sampled: the kernels' (and dtypes') share of the learner's
+    logprob_gap/mean, which adds the policy's movement over the staleness."""
+    from grpo.models.forward import completion_logprobs
+
+    trunc = (g.top_k, g.top_p) if g.truncates else None  # the sampler's own distribution
+    lp, _ = completion_logprobs(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
+                                ro.completion_mask, g.temperature, truncation=trunc)  # fmt: skip
+    m = ro.completion_mask.float()
+    return float(((lp - ro.sampling_logps).abs() * m).sum() / m.sum().clamp(min=1.0))
+
+
 class AsyncRollouts:
     """The learner's end of one rank's sampler process.
 
@@ -231,6 +244,7 @@ def _sampler(cfg: Config, policy_dir: str, rank: int, world: int) -> Any:
                 model, tok, cfg, rows, scorer, step=step, rank=rank, world=world,
                 device=device, eos_ids=eos_ids, alone=True,
             )  # fmt: skip
-        return sampled, scorer.take_metrics()
+            gap = numeric_gap(model, sampled.rollout, cfg.grpo)
+        return sampled, {**scorer.take_metrics(), "async/numeric_gap/mean": gap}
 
     return sample

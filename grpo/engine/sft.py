@@ -231,6 +231,22 @@ def train_control(
                   progress=False)  # fmt: skip
 
 
+def train_fixed_steps(
+    cfg: Config, policy_dir: str | Path, out_dir: str | Path, sets: dict[str, list[dict]],
+    steps: int, *, lr: float, progress: bool = True,
+) -> dict[str, Any]:  # fmt: skip
+    """SFT from policy_dir for exactly `steps` steps over sets['sft'] (epochs as needed), the
+    rate `lr` annealed over them (sft.warmup_steps first); the last weights go to out_dir.
+    Each RFT round's fine-tuning (grpo.engine.rft)."""
+    budget = _Budget(None, None, steps)
+
+    def rules(_select: Callable[[], float] | None) -> _BudgetStop:
+        return _BudgetStop(budget, cfg.sft.warmup_steps, None)
+
+    return _train(cfg, policy_dir, out_dir, sets, itertools.count(), rules, lr=lr,
+                  progress=progress)  # fmt: skip
+
+
 def _train(
     cfg: Config, base_dir: str | Path, out_dir: str | Path, sets: dict[str, list[dict]],
     epochs: Iterable[int], make_rules: Callable[[Callable[[], float]], Any], *, lr: float,

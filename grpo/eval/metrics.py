@@ -152,12 +152,17 @@ def format_paired(d: dict[str, float]) -> str:
 
 
 def comparison(
-    sets: list[str], labels: list[str], reports: dict[str, dict], samples: dict[str, list[dict]]
+    sets: list[str],
+    labels: list[str],
+    reports: dict[str, dict],
+    samples: dict[str, list[dict]],
+    candidate: str = "grpo",
 ) -> tuple[list[dict[str, Any]], dict[str, float], dict[str, dict[str, dict]]]:
     """The table (one row per set: each model's accuracy, each model minus the reference with
     a paired interval; GRPO minus the control and minus the champion when they were evaluated),
     the flat metrics behind it, and the paired differences by model and set (with
-    "grpo_vs_sft_continued" and "grpo_vs_champion")."""
+    "grpo_vs_sft_continued", "grpo_vs_rft" and "<candidate>_vs_champion"; candidate: the model
+    the pipeline registers, grpo or rft)."""
     table, metrics, paired = [], {}, {}
 
     def diff(base: str, label: str, s: str) -> dict[str, float]:
@@ -185,10 +190,17 @@ def comparison(
             row[f"{label} - ref"] = format_paired(d)
             metrics[f"{label}/eval/{s}/diff_vs_reference"] = d["diff"]
             paired.setdefault(label, {})[s] = d
-        # GRPO against the equal-time control (the honest comparison) and the champion; the
-        # last steps against each other when a selection split chose the others
-        for base, model in (("sft_continued", "grpo"), ("champion", "grpo"),
-                            ("sft_continued_last", "grpo_last")):  # fmt: skip
+        # GRPO against its controls for the same compute (the honest comparisons) and the
+        # candidate against the champion; the last steps against each other when a selection
+        # split chose the others
+        pairs = (
+            ("sft_continued", "grpo"),
+            ("rft", "grpo"),
+            ("champion", candidate),
+            ("sft_continued_last", "grpo_last"),
+            ("rft_last", "grpo_last"),
+        )
+        for base, model in pairs:
             if base not in labels or model not in labels:
                 continue
             d = diff(base, model, s)

@@ -24,8 +24,7 @@ from grpo.models.prompts import (
     split_by_prompt_length,
 )
 from grpo.progress import progress_bar
-from reward_fns import accuracy, extract_answer
-from reward_fns.accuracy import last_number_matches
+from reward_fns import extract_answer, verdicts
 
 # a prime larger than any batch count: (seed, batch) pairs never share a seed
 SEED_STRIDE = 1_000_003
@@ -46,8 +45,12 @@ def generate_for_rows(
     seed: int = 0,
     progress: bool = False,
     bar_label: str = "evaluate",
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> list[dict[str, Any]]:
-    """One record per (row, sample): id, sample, prompt, completion, extracted, gold, correct."""
+    """One record per (row, sample): id, sample, prompt, completion, extracted, gold, correct
+    (the verifier's, reward_fns.verdicts). samples > 1 draws at `temperature`, truncated by
+    top_k/top_p (RFT samples as GRPO does)."""
     max_new = max_new_tokens or cfg.grpo.max_completion_length
     eos_ids = eos_token_ids(tokenizer, model)
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]["prompt"]))
@@ -65,10 +68,10 @@ def generate_for_rows(
             num_generations=samples, max_completion_length=max_new,
             eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id,
             temperature=temperature, do_sample=samples > 1, engine=cfg.model.generation_engine,
+            top_k=top_k, top_p=top_p,
         )  # fmt: skip
         texts = tokenizer.batch_decode(ro.completion_ids, skip_special_tokens=True)
-        golds = [r["answer"] for r in batch for _ in range(samples)]
-        scores = accuracy(texts, golds)
+        judged = verdicts(texts, [r for r in batch for _ in range(samples)])
         for j, text in enumerate(texts):
             row = batch[j // samples]
             records.append(
@@ -79,11 +82,11 @@ def generate_for_rows(
                     "completion": text,
                     "extracted": extract_answer(text),
                     "gold": row["answer"],
-                    "correct": bool(scores[j]),
-                    "correct_lenient": last_number_matches(text, row["answer"]),
+                    "correct": judged[j][0],
+                    "correct_lenient": judged[j][1],
                     "length": int(ro.completion_mask[j].sum()),
                     "truncated": bool(ro.truncated[j]),
-                    **{k: row[k] for k in ("subject", "level") if k in row},
+                    **{k: row[k] for k in ("subject", "level", "generator") if k in row},
                 }
             )
         bar.update(len(batch))
@@ -172,7 +175,7 @@ def evaluate_model(
             sampled_records += sampled
         report["sets"][name]["left_out"] = float(len(left_out))
         report["sets"][name]["left_out_ids"] = [str(r["id"]) for r in left_out]
-        for key in ("subject", "level"):
+        for key in ("subject", "level", "generator"):
             groups = sorted({str(r[key]) for r in recs if key in r})
             if groups:
                 report["sets"][name][f"by_{key}"] = {

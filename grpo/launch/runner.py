@@ -533,6 +533,21 @@ def run_control(
     return _summary(out_dir / "control_summary.json", "control")
 
 
+def run_rft(
+    cfg: Config, reference: Path, out_dir: Path, completions: int, *,
+    log: Callable[[str], None] = print, env: dict[str, str] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """RFT (grpo.engine.rft) from the reference, sampling `completions` in all, in one process
+    (it samples every prompt itself); its selected weights go to out_dir."""
+    one = cfg.model_copy(update={"deepspeed": cfg.deepspeed.model_copy(
+        update={"nproc": 1, "hostfile": None})})  # fmt: skip
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    cfg_path = write_config(one, out_dir.with_name(out_dir.name + "_config.yaml"))
+    args = ["--policy", str(reference), "--out", str(out_dir), "--completions", str(completions)]
+    run_launches(launches(one, _worker("rft", cfg_path, *args)), log, env)
+    return _summary(out_dir.with_name(out_dir.name + "_summary.json"), "rft")
+
+
 def _summary(path: Path, stage: str) -> dict[str, Any]:
     """The summary a stage writes as its last act; missing after exit code 0, something ended
     the process early (os._exit in a reward function, say)."""

@@ -1,4 +1,4 @@
-"""Entry point of one rank: `python -m grpo.launch.worker {sft,train,control} --config X ...`.
+"""Entry point of one rank: `python -m grpo.launch.worker {sft,train,control,rft} --config X`.
 
 Started by DeepSpeed's launcher (one process per GPU or CPU rank) or directly for one rank.
 """
@@ -66,7 +66,7 @@ def _write_error(e: BaseException) -> bool:
 
 def _main(argv: list[str] | None) -> None:
     p = argparse.ArgumentParser(prog="grpo.launch.worker")
-    p.add_argument("stage", choices=["sft", "train", "control"])
+    p.add_argument("stage", choices=["sft", "train", "control", "rft"])
     p.add_argument("--config", required=True)
     p.add_argument("--base")
     p.add_argument("--policy")
@@ -78,6 +78,7 @@ def _main(argv: list[str] | None) -> None:
     p.add_argument("--threads-after", type=int,
                    help="control: CPU threads once the followed run is done")  # fmt: skip
     p.add_argument("--pace-file", help="train: write progress here after every step")
+    p.add_argument("--completions", type=int, help="rft: the completions it may sample")
     p.add_argument("--local_rank", type=int, default=None)  # passed by older launchers
     a = p.parse_args(argv)
 
@@ -94,6 +95,16 @@ def _main(argv: list[str] | None) -> None:
         summary = train_reference(cfg, a.base, out, training_sets(cfg), progress=rank == 0)
         if rank == 0:
             (out / "sft_summary.json").write_text(json.dumps(summary, indent=2))
+    elif a.stage == "rft":
+        from grpo.data.sets import training_sets
+        from grpo.engine.rft import train_rft
+
+        summary = train_rft(cfg, a.policy, Path(a.out), training_sets(cfg), a.completions,
+                            progress=rank == 0)  # fmt: skip
+        summary.pop("history")
+        Path(a.out).with_name(Path(a.out).name + "_summary.json").write_text(
+            json.dumps(summary, indent=2)
+        )
     elif a.stage == "control":
         from grpo.data.sets import training_sets
         from grpo.engine.sft import train_control

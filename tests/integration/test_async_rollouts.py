@@ -85,6 +85,10 @@ def test_async_steps_are_exactly_k_stale_and_a_stopped_run_resumes_bit_identical
     # the first step's sampler had the learner's own weights (the gap is numerics only); the
     # last one's were two updates old at lr 0.01, and the correction weighted them
     assert rows[0]["logprob_gap/mean"] < 1e-4 < rows[3]["logprob_gap/mean"]
+    # the kernels' share, measured in the sampler at its own weights, stays at numerics while
+    # the staleness adds the policy's movement
+    assert all(r["async/numeric_gap/mean"] < 1e-4 for r in rows)
+    assert rows[3]["logprob_gap/mean"] > 10 * rows[3]["async/numeric_gap/mean"]
     # the correction acted: the stale step's weights spread around 1 (a correction that did
     # nothing would give exactly 1 everywhere), while the first step's sit at 1 to numerics
     last = rows[3]
