@@ -20,12 +20,14 @@ import statistics
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LABELS = ("reference", "grpo", "sft_continued", "grpo_last", "sft_continued_last")
-SETS = ("synthetic", "synthetic_ood")
+LABELS = ("reference", "grpo", "sft_continued", "rft", "grpo_last", "sft_continued_last",
+          "rft_last")  # fmt: skip
 PAIRS = (  # (minus, model): model - minus
     ("sft_continued", "grpo"),
+    ("rft", "grpo"),
     ("reference", "grpo"),
     ("reference", "sft_continued"),
+    ("reference", "rft"),
     ("sft_continued_last", "grpo_last"),
     ("grpo_last", "grpo"),
 )
@@ -37,6 +39,12 @@ def _jsonl(path: Path) -> list[dict]:
 
 def _by_set(recs: list[dict], s: str) -> list[dict]:
     return [r for r in recs if r["set"] == s]
+
+
+def _sets(run_dir: Path) -> list[str]:
+    """The run's evaluation sets, in the order evaluated (the reference's records)."""
+    recs = _jsonl(run_dir / "eval" / "reference" / "samples.jsonl")
+    return list(dict.fromkeys(r["set"] for r in recs))
 
 
 def _curves(rows: list[dict], control: list[dict], out: Path) -> None:
@@ -77,7 +85,7 @@ def _model_rows(run_dir: Path) -> list[str]:
         "| maj@8 | mean length | truncated |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for s in SETS:
+    for s in _sets(run_dir):
         for label in LABELS:
             recs = _by_set(_jsonl(run_dir / "eval" / label / "samples.jsonl"), s)
             if not recs:
@@ -102,13 +110,14 @@ def _paired_rows(run_dir: Path) -> list[str]:
     from grpo.eval.metrics import format_paired, paired_difference
 
     samples = {label: _jsonl(run_dir / "eval" / label / "samples.jsonl") for label in LABELS}
-    head = "| comparison | " + " | ".join(f"{s} strict | {s} lenient" for s in SETS) + " |"
-    lines = [head, "|---|" + "---|" * (2 * len(SETS))]
+    sets = _sets(run_dir)
+    head = "| comparison | " + " | ".join(f"{s} strict | {s} lenient" for s in sets) + " |"
+    lines = [head, "|---|" + "---|" * (2 * len(sets))]
     for minus, model in PAIRS:
         if not (samples[minus] and samples[model]):
             continue
         cells = []
-        for s in SETS:
+        for s in sets:
             a, b = _by_set(samples[minus], s), _by_set(samples[model], s)
             cells.append(format_paired(paired_difference(a, b)))
             cells.append(format_paired(paired_difference(a, b, key="correct_lenient")))
@@ -125,8 +134,9 @@ def _seed_rows(run_dirs: list[Path]) -> list[str]:
         cfg = (rd / "grpo" / "config.yaml").read_text()
         seed = next((ln.split(":")[1].strip() for ln in cfg.splitlines()
                      if ln.startswith("seed:")), "?")  # fmt: skip
-        a = _by_set(_jsonl(rd / "eval" / "sft_continued" / "samples.jsonl"), SETS[0])
-        b = _by_set(_jsonl(rd / "eval" / "grpo" / "samples.jsonl"), SETS[0])
+        first = (_sets(rd) or ["?"])[0]
+        a = _by_set(_jsonl(rd / "eval" / "sft_continued" / "samples.jsonl"), first)
+        b = _by_set(_jsonl(rd / "eval" / "grpo" / "samples.jsonl"), first)
         if not (a and b):  # an unfinished evaluation has no difference to show
             lines.append(f"| {seed} | `{rd.name}` | not evaluated |")
             continue

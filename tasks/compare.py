@@ -31,6 +31,8 @@ _COSTS = (
     ("GRPO time (min)", "grpo/seconds"),
     ("SFT reference steps", "sft:sft/steps"),
     ("control steps", "sft_continued:sft_continued/steps"),
+    ("RFT sampled completions", "rft:rft/total_sampled"),
+    ("RFT fine-tuning steps", "rft:rft/total_sft_steps"),
 )
 
 

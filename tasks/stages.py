@@ -357,7 +357,10 @@ def rft_stage(
         rounds = tracking.read_jsonl(out.with_name(out.name + "_metrics.jsonl"))
         rows = [{**r, "step": r["round"]} for r in rounds]
         tracking.log_step_metrics(c, run_id, rows, prefix="rft/")
-        for k in ("budget", "sampled", "kept", "sft_steps", "rounds", "seconds"):
+        # totals apart from the per-round curves of the same names
+        for k in ("sampled", "kept", "sft_steps"):
+            c.log_metric(run_id, f"rft/total_{k}", float(summary[k]))
+        for k in ("budget", "rounds", "seconds"):
             c.log_metric(run_id, f"rft/{k}", float(summary[k]))
         # what matches GRPO's compute: the completions sampled (grpo.engine.rft says why)
         c.set_tag(run_id, "compute_match", f"{completions} sampled completions, as GRPO's")

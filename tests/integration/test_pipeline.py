@@ -563,7 +563,9 @@ def test_approval_rejects_and_times_out_without_moving_the_champion(store):
 def test_a_second_pipeline_meets_the_first_ones_champion(store):
     """The nightly deployment's second night: a whole pipeline while a @champion exists. The
     champion is downloaded and evaluated on the same problems in the same run, its paired
-    difference is logged and recorded on the version, and @champion follows the gate."""
+    difference is logged and recorded on the version, and @champion follows the gate. The
+    first night's method is RFT alone (method: rft), registered through the same gate; the
+    second night trains GRPO with both controls, RFT for the same sampled completions."""
     from mlflow import MlflowClient
     from prefect.flow_runs import resume_flow_run
 
@@ -575,12 +577,9 @@ def test_a_second_pipeline_meets_the_first_ones_champion(store):
     over = _overrides(tmp, f"tracking.registered_model={name}", "grpo.steps=1")
     # the first night's version is promoted by a person (tracking.promotion=approve): the
     # pipeline pauses after its evidence, and the answer given through the API lands on it
+    first_over = [*over, "tracking.promotion=approve", "method=rft", "rft.rounds=2"]
     t, out = _in_thread(
-        lambda: grpo_pipeline(
-            PipelineParams(
-                config=CONFIG, overrides=[*over, "tracking.promotion=approve"], control=False
-            )
-        )
+        lambda: grpo_pipeline(PipelineParams(config=CONFIG, overrides=first_over, control=False))
     )
     paused = _paused_flow_run(t)
     resume_flow_run(
@@ -599,10 +598,26 @@ def test_a_second_pipeline_meets_the_first_ones_champion(store):
     parent = c.get_run(first["parent_run_id"]).data.tags
     assert parent["promotion.decision"] == "promoted" and "approved by Ana" in (
         parent["promotion.reason"])  # fmt: skip
+    # RFT as the method: its own stage run, no GRPO, 1 step x 2 prompts x 4 completions
+    # sampled (GRPO's configured budget), its version gated against the reference
+    exp_id = c.get_run(first["parent_run_id"]).info.experiment_id
+    first_kids = by_stage(c.search_runs(
+        [exp_id], f"tags.mlflow.parentRunId = '{first['parent_run_id']}'"))  # fmt: skip
+    assert "rft" in first_kids and "grpo" not in first_kids
+    rft_run = first_kids["rft"].data
+    assert rft_run.metrics["rft/total_sampled"] == rft_run.metrics["rft/budget"] == 8
+    assert rft_run.metrics["rft/rounds"] == 2 and "8 sampled completions" in (
+        rft_run.tags["compute_match"])  # fmt: skip
+    mv1 = c.get_model_version(name, v1)
+    assert "RFT policy of run" in mv1.description and mv1.run_id == first_kids["rft"].info.run_id
+    first_pm = c.get_run(first["parent_run_id"]).data.metrics
+    assert float(mv1.tags["gate/vs_reference/diff"]) == pytest.approx(
+        first_pm["rft/eval/synthetic/diff_vs_reference"], abs=5e-5)  # fmt: skip
     # the second night with a control of a fixed step budget (sft.control_steps): after GRPO,
     # exactly its steps, tagged so that nobody reads it as an equal-time control
     second = grpo_pipeline(PipelineParams(
-        config=CONFIG, overrides=[*over, "grpo.steps=2", "sft.control_steps=3"]))  # fmt: skip
+        config=CONFIG, overrides=[*over, "grpo.steps=2", "sft.control_steps=3",
+                                  "rft.enabled=true"]))  # fmt: skip
     v2 = str(second["registered"]["version"])
     assert v2 != v1
     kids = by_stage(
@@ -618,14 +633,20 @@ def test_a_second_pipeline_meets_the_first_ones_champion(store):
     )
     assert ctl.data.metrics["sft_continued/steps"] == 3
     assert ctl.info.start_time >= kids["grpo"].info.end_time
+    # RFT beside GRPO: as many completions sampled as GRPO's 2 steps did (2 prompts x 4)
+    assert kids["rft"].data.metrics["rft/total_sampled"] == 16
     pm = c.get_run(second["parent_run_id"]).data.metrics
     for s in ("synthetic", "synthetic_ood"):  # every set, on the same problems
         assert pm[f"grpo/eval/{s}/diff_vs_champion"] == pytest.approx(
             pm[f"grpo/eval/{s}/accuracy"] - pm[f"champion/eval/{s}/accuracy"]
         )
+    # GRPO against RFT on the same problems, and RFT against the reference
+    for s in ("synthetic", "synthetic_ood"):
+        assert pm[f"grpo/eval/{s}/diff_vs_rft"] == pytest.approx(
+            pm[f"grpo/eval/{s}/accuracy"] - pm[f"rft/eval/{s}/accuracy"])  # fmt: skip
+        assert f"rft/eval/{s}/diff_vs_reference" in pm
     # the champion evaluated here is version 1's model: same accuracy as its own run gave it
-    first_pm = c.get_run(first["parent_run_id"]).data.metrics
-    assert pm["champion/eval/synthetic/accuracy"] == first_pm["grpo/eval/synthetic/accuracy"]
+    assert pm["champion/eval/synthetic/accuracy"] == first_pm["rft/eval/synthetic/accuracy"]
     mv = c.get_model_version(name, v2)
     assert float(mv.tags["gate/vs_champion/diff"]) == pytest.approx(
         pm["grpo/eval/synthetic/diff_vs_champion"], abs=5e-5
@@ -669,17 +690,19 @@ def _compare_the_two_nights(c, tmp: Path, name: str, first: dict, second: dict) 
     params = {r["key"]: (r["A"], r["B"]) for r in got["params"]}
     assert params["grpo.steps"] == ("1", "2") and params["tracking.promotion"][0] == "approve"
     assert params["sft.control_steps"][1] == "3" and "grpo.lr" not in params
-    # each run's logged accuracy, side by side
+    assert params["method"] == ("rft", "grpo")
+    # each run's logged accuracy, side by side: RFT ran on both nights, GRPO on the second
     rows = {(r["model"], r["set"], r["metric"]): r for r in got["metrics"]}
     pa, pb = c.get_run(a_id).data.metrics, c.get_run(b_id).data.metrics
-    acc = rows[("grpo", "synthetic", "accuracy")]
-    assert (acc["A"], acc["B"]) == (pa["grpo/eval/synthetic/accuracy"],
-                                    pb["grpo/eval/synthetic/accuracy"])  # fmt: skip
-    assert rows[("champion", "synthetic", "accuracy")]["A"] is None  # the first night had none
+    acc = rows[("rft", "synthetic", "accuracy")]
+    assert (acc["A"], acc["B"]) == (pa["rft/eval/synthetic/accuracy"],
+                                    pb["rft/eval/synthetic/accuracy"])  # fmt: skip
+    assert rows[("grpo", "synthetic", "accuracy")]["A"] is None  # the first night had none
+    assert rows[("champion", "synthetic", "accuracy")]["A"] is None
 
     # the paired difference by hand, from the run directories' per-problem records
     def first_samples(pid: str) -> dict:  # noqa: ANN202
-        path = tmp / "runs" / "tiny" / pid / "eval" / "grpo" / "samples.jsonl"
+        path = tmp / "runs" / "tiny" / pid / "eval" / "rft" / "samples.jsonl"
         recs = [json.loads(x) for x in path.open()]
         return {r["id"]: r["correct"] for r in recs if r["set"] == "synthetic" and not r["sample"]}
 
@@ -687,16 +710,21 @@ def _compare_the_two_nights(c, tmp: Path, name: str, first: dict, second: dict) 
     assert set(ca) == set(cb) and len(ca) > 10
     by_hand = sum(cb[i] - ca[i] for i in ca) / len(ca)
     paired = {(r["model"], r["set"]): r for r in got["paired"]}
-    assert paired[("grpo", "synthetic")]["diff"] == pytest.approx(by_hand)
-    assert paired[("grpo", "synthetic")]["n"] == len(ca)
+    assert paired[("rft", "synthetic")]["diff"] == pytest.approx(by_hand)
+    assert paired[("rft", "synthetic")]["n"] == len(ca)
     # the interval by hand: mean -+ 1.96 x the standard error of the per-problem differences
     d = [cb[i] - ca[i] for i in ca]
     se = math.sqrt(sum((x - by_hand) ** 2 for x in d) / (len(d) - 1) / len(d))
-    assert paired[("grpo", "synthetic")]["ci_low"] == pytest.approx(by_hand - 1.959964 * se)
-    assert paired[("grpo", "synthetic")]["ci_high"] == pytest.approx(by_hand + 1.959964 * se)
+    assert paired[("rft", "synthetic")]["ci_low"] == pytest.approx(by_hand - 1.959964 * se)
+    assert paired[("rft", "synthetic")]["ci_high"] == pytest.approx(by_hand + 1.959964 * se)
     assert {"model": "champion", "set": "*", "why": "not evaluated in A"} in got["unpaired"]
+    assert {"model": "grpo", "set": "*", "why": "not evaluated in A"} in got["unpaired"]
     costs = {r["what"]: r for r in got["costs"]}
-    assert (costs["GRPO steps"]["A"], costs["GRPO steps"]["B"]) == (1.0, 2.0)
+    assert (costs["GRPO steps"]["A"], costs["GRPO steps"]["B"]) == (None, 2.0)
+    assert (
+        costs["RFT sampled completions"]["A"] == 8.0
+        and costs["RFT sampled completions"]["B"] == 16.0
+    )
     assert costs["control steps"]["A"] is None and costs["control steps"]["B"] == 3.0
     assert 0 < costs["peak RSS of its largest process (GB)"]["B"] < 64
     # registered versions name their pipelines; markdown parses as tables
@@ -708,7 +736,7 @@ def _compare_the_two_nights(c, tmp: Path, name: str, first: dict, second: dict) 
     assert same["params"] == [] and len(same["paired"]) >= 4
     assert all(r["diff"] == 0.0 == r["ci_low"] for r in same["paired"])
     md = to_markdown(again)
-    table = [ln for ln in md.splitlines() if ln.startswith("| grpo | synthetic | accuracy |")]
+    table = [ln for ln in md.splitlines() if ln.startswith("| rft | synthetic | accuracy |")]
     assert len(table) == 1 and len(table[0].strip("|").split(" | ")) == 6
     # a run that is not there, or not a pipeline's, is refused in one line (exit 2)
     grpo_stage = by_stage(c.search_runs([c.get_run(b_id).info.experiment_id],

@@ -107,13 +107,15 @@ def test_two_grpo_steps_and_an_evaluation_on_the_real_model(smollm2, tmp_path):
     import mlflow
 
     from tasks.serving import log_checkpoint_models, log_policy
+    from tasks.stages import served_model_config
 
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     c = mlflow.MlflowClient()
     run_id = c.create_run(c.create_experiment("smollm2")).info.run_id
     step = sel["selected_step"]
-    uri = log_policy(run_id, tmp_path / "grpo" / "policy", {}, step=step)
-    log_checkpoint_models(c, run_id, tmp_path / "grpo", rows, {}, final=(step, uri),
+    served = served_model_config(cfg)
+    uri = log_policy(run_id, tmp_path / "grpo" / "policy", served, step=step)
+    log_checkpoint_models(c, run_id, tmp_path / "grpo", rows, served, final=(step, uri),
                           dataset=("select[:6]", "digest"))  # fmt: skip
     (linked,) = [m for m in mlflow.get_logged_model(uri.removeprefix("models:/")).metrics
                  if m.key == "checkpoint/select_accuracy"]  # fmt: skip
