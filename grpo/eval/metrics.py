@@ -11,6 +11,8 @@ import math
 from collections import Counter
 from typing import Any
 
+from grpo.config import set_label
+
 Z95 = 1.959963984540054
 
 
@@ -173,6 +175,8 @@ def comparison(
 
     for s in sets:
         row: dict[str, Any] = {"set": s}
+        # metric keys and the gate use the set's label (rg:mix -> rg_mix, a path -> its stem)
+        lab = set_label(s)
         left_out = max(int(reports[label]["sets"][s].get("left_out", 0)) for label in labels)
         if left_out:  # prompts longer than evaluation can hold: never silently dropped
             row["left out"] = left_out
@@ -182,14 +186,14 @@ def comparison(
             row[label] = f"{m['accuracy']:.3f} [{lo:.3f}, {hi:.3f}]"
             for k, v in m.items():
                 if isinstance(v, float):
-                    metrics[f"{label}/eval/{s}/{k}"] = v
+                    metrics[f"{label}/eval/{lab}/{k}"] = v
         for label in labels:
             if label == "reference":
                 continue
             d = diff("reference", label, s)
             row[f"{label} - ref"] = format_paired(d)
-            metrics[f"{label}/eval/{s}/diff_vs_reference"] = d["diff"]
-            paired.setdefault(label, {})[s] = d
+            metrics[f"{label}/eval/{lab}/diff_vs_reference"] = d["diff"]
+            paired.setdefault(label, {})[lab] = d
         # GRPO against its controls for the same compute (the honest comparisons) and the
         # candidate against the champion; the last steps against each other when a selection
         # split chose the others
@@ -205,7 +209,7 @@ def comparison(
                 continue
             d = diff(base, model, s)
             row[f"{model} - {base}"] = format_paired(d)
-            metrics[f"{model}/eval/{s}/diff_vs_{base}"] = d["diff"]
-            paired.setdefault(f"{model}_vs_{base}", {})[s] = d
+            metrics[f"{model}/eval/{lab}/diff_vs_{base}"] = d["diff"]
+            paired.setdefault(f"{model}_vs_{base}", {})[lab] = d
         table.append(row)
     return table, metrics, paired

@@ -1088,3 +1088,66 @@ def test_a_lora_grpo_stage_logs_a_merged_model_and_its_adapter(store):
                        text=True, timeout=300)  # fmt: skip
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr[-2000:]
     assert "nowhere: model directory not found" in p.stderr
+
+
+def test_a_reasoning_gym_mix_through_the_pipeline(store):
+    """data.task reasoning_gym on the tiny model, with RFT beside GRPO: the generated sets
+    validated at the sizes asked for, logged as dataset inputs naming the library, its version,
+    the generators, configs and seeds; GRPO scored by the generators' own checkers; the mix's
+    held-out sets reported per generator and overall, and a generator never trained on as an
+    out-of-distribution set."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    from flows.pipeline import PipelineParams, grpo_pipeline
+
+    pytest.importorskip("reasoning_gym", reason="the real extra (make install-real)")
+    tmp, uri = store
+    gens = ("[{name: chain_sum, config: {min_terms: 2, max_terms: 2, max_digits: 1}}, "
+            "{name: gcd, config: {max_value: 30}}]")  # fmt: skip
+    over = _overrides(
+        tmp, "data.task=reasoning_gym", f"data.generators={gens}", "data.num_train=40",
+        "data.num_sft=24", "data.num_sft_val=8", "data.num_heldout=10", "data.num_select=0",
+        "grpo.eval_every=0", "grpo.steps=1", "grpo.max_prompt_length=160",
+        "grpo.reward_funcs=[reasoning_gym, format]", "eval.sets=[rg:mix, rg:lcm]",
+        "tracking.promotion_metric=eval/rg_mix/accuracy", "tracking.registered_model=rg-e2e",
+        "rft.enabled=true", "rft.rounds=1", "model.tiny.max_position_embeddings=512",
+    )  # fmt: skip
+    result = grpo_pipeline(PipelineParams(config=CONFIG, overrides=over, control=False))
+    c = MlflowClient(uri, uri)
+    parent = c.get_run(result["parent_run_id"])
+    kids = by_stage(c.search_runs([parent.info.experiment_id],
+                                  f"tags.mlflow.parentRunId = '{parent.info.run_id}'"))  # fmt: skip
+    # validation: each generated set at the size asked for (GE's row-count expectation)
+    results = mlflow.artifacts.load_dict(
+        f"runs:/{kids['validate'].info.run_id}/validation/results.json")  # fmt: skip
+    assert {k: v["rows"] for k, v in results.items()} == {
+        "train": 40,
+        "sft": 24,
+        "sft_val": 8,
+        "heldout_rg_mix": 20,
+        "heldout_rg_lcm": 10,
+    }
+    assert all(v["success"] for v in results.values())
+    # the dataset inputs name the library, its version, the generators, configs and seeds
+    inputs = {d.dataset.name: json.loads(d.dataset.source)["tags"]
+              for d in parent.inputs.dataset_inputs}  # fmt: skip
+    train = inputs["train"]
+    assert train["generator"] == "reasoning-gym" and train["version"] == "0.1.25"
+    described = json.loads(train["generators"])
+    assert [g["name"] for g in described] == ["chain_sum", "gcd"]
+    assert described[1]["config"] == {"max_value": 30}
+    assert described[0]["seeds"]["train"] != described[0]["seeds"]["heldout"]
+    # GRPO's reward came from the generators' checkers
+    rows = [json.loads(x) for x in (tmp / "runs" / "tiny" / parent.info.run_id / "grpo" /
+                                    "metrics.jsonl").open()]  # fmt: skip
+    assert "rewards/reasoning_gym/mean" in rows[-1]
+    # the mix per generator and overall; the never-trained generator on its own
+    report = json.loads((tmp / "runs" / "tiny" / parent.info.run_id / "eval" / "grpo" /
+                         "report.json").read_text())  # fmt: skip
+    mix = report["sets"]["rg:mix"]
+    assert set(mix["by_generator"]) == {"chain_sum", "gcd"} and mix["num_problems"] == 20
+    assert mix["accuracy"] == pytest.approx(sum(mix["by_generator"].values()) / 2)
+    assert report["sets"]["rg:lcm"]["num_problems"] == 10
+    pm = parent.data.metrics
+    assert "grpo/eval/rg_mix/diff_vs_rft" in pm and "rft/eval/rg_lcm/accuracy" in pm

@@ -111,7 +111,8 @@ def test_two_grpo_steps_and_an_evaluation_on_the_real_model(smollm2, tmp_path):
 
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     c = mlflow.MlflowClient()
-    run_id = c.create_run(c.create_experiment("smollm2")).info.run_id
+    where = (tmp_path / "artifacts").as_uri()  # not the project's mlruns/
+    run_id = c.create_run(c.create_experiment("smollm2", artifact_location=where)).info.run_id
     step = sel["selected_step"]
     served = served_model_config(cfg)
     uri = log_policy(run_id, tmp_path / "grpo" / "policy", served, step=step)
