@@ -2,11 +2,13 @@
 pipeline's sets.
 
 Each generator of data.generators gets a share of every split by its weight (largest
-remainders), and each (split, generator) pair draws from its own seed, so the splits never share
-a seed: seed = data.seed * 1000 + 100 * split index + generator index (split indices in SPLITS;
-a generator's held-out set, `rg:<name>`, uses index 9, which no training split has). Questions are
-deduplicated across all sets by their text: a question already drawn for an earlier split (in
-SPLITS order, held-out first) is skipped, so the sets are disjoint whatever the generators repeat.
+remainders), and each (split, generator) pair draws from its own seed. reasoning-gym seeds item
+i of a dataset with seed + i, so two seeds closer than a dataset's length would draw the same
+items: the seeds are spaced by STRIDE, more than any split's length, seed = (data.seed x 100 +
+split index x 10 ... ) x STRIDE (split_seed; a generator's held-out set, `rg:<name>`, uses split
+index 9, which no training split has). Questions are deduplicated across all sets by their text:
+a question already drawn for an earlier split (in SPLITS order, held-out first) is skipped, so
+the sets are disjoint whatever the generators repeat.
 
 Rows: id, prompt (the question), answer and solution (the generator's answer), generator,
 rg_entry (the generator's whole entry, which its score_answer reads), and for the SFT splits
@@ -28,7 +30,9 @@ SPLIT_INDEX = {"heldout": 9, "sft_val": 1, "sft": 2, "train": 3, "select": 4}
 EVAL_PREFIX = "rg:"
 MIX = "mix"  # rg:mix, every training generator's held-out set
 # how many entries past the wanted count a generator may give before it is called exhausted
-SLACK = 3
+SLACK = 10
+# items between two splits' seeds: more than any split draws (SLACK x its size + 5000)
+STRIDE = 10_000_000
 
 
 def library_version() -> str:
@@ -78,12 +82,12 @@ def shares(n: int, weights: list[float]) -> list[int]:
 
 
 def split_seed(base: int, split: str, generator_index: int) -> int:
-    """The seed of one generator's share of one split.
+    """The seed of one generator's share of one split, STRIDE items from any other's.
 
     >>> split_seed(1234, "train", 0), split_seed(1234, "heldout", 1)
-    (1234300, 1234901)
+    (123430000000000, 123490010000000)
     """
-    return base * 1000 + 100 * SPLIT_INDEX[split] + generator_index
+    return ((base * 10 + SPLIT_INDEX[split]) * 1000 + generator_index) * STRIDE
 
 
 def _draw(
@@ -93,7 +97,7 @@ def _draw(
 
     if n == 0:
         return []
-    ds = reasoning_gym.create_dataset(name, seed=seed, size=n * SLACK + 20, **config)
+    ds = reasoning_gym.create_dataset(name, seed=seed, size=n * SLACK + 5000, **config)
     rows = []
     for i in range(len(ds)):
         entry = ds[i]
