@@ -135,7 +135,14 @@ def markdown_table(report: dict[str, Any]) -> str:
             str(int(m.get("left_out", 0))),
         ]  # fmt: skip
         rows.append(dict(zip(head, cells)))
-    return f"Model: `{report['model']}`\n\n" + markdown_rows(rows) + "\n"
+    # a task mix's sets: each generator's accuracy beside the whole's
+    by_gen = [
+        {"set": name, "generator": g, "accuracy": f"{a:.3f}"}
+        for name, m in report["sets"].items()
+        for g, a in m.get("by_generator", {}).items()
+    ]
+    extra = f"\n\n{markdown_rows(by_gen)}" if by_gen else ""
+    return f"Model: `{report['model']}`\n\n" + markdown_rows(rows) + extra + "\n"
 
 
 def markdown_rows(rows: list[dict[str, Any]]) -> str:

@@ -1148,6 +1148,8 @@ def test_a_reasoning_gym_mix_through_the_pipeline(store):
     mix = report["sets"]["rg:mix"]
     assert set(mix["by_generator"]) == {"chain_sum", "gcd"} and mix["num_problems"] == 20
     assert mix["accuracy"] == pytest.approx(sum(mix["by_generator"].values()) / 2)
+    md = (tmp / "runs" / "tiny" / parent.info.run_id / "eval" / "grpo" / "report.md").read_text()
+    assert f"| rg:mix | gcd | {mix['by_generator']['gcd']:.3f} |" in md
     assert report["sets"]["rg:lcm"]["num_problems"] == 10
     pm = parent.data.metrics
     assert "grpo/eval/rg_mix/diff_vs_rft" in pm and "rft/eval/rg_lcm/accuracy" in pm
