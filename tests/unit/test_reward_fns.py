@@ -182,7 +182,7 @@ def test_registry_resolves_names_and_import_paths():
 def test_registries_list_every_builtin_once():
     from reward_fns import PROCESS_REWARDS, REWARD_FUNCS
 
-    assert sorted(REWARD_FUNCS) == ["accuracy", "format", "soft_overlong"]
+    assert sorted(REWARD_FUNCS) == ["accuracy", "format", "reasoning_gym", "soft_overlong"]
     assert list(PROCESS_REWARDS) == ["column_steps", "arithmetic_steps"]
 
 
