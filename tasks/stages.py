@@ -228,11 +228,13 @@ def train_policy(
     out = run_dir / "grpo"
     with stage_run(cfg, parent_id, "grpo") as run_id:
         c = tracking.client(cfg)
-        if (step := checkpoint_step(out)) is not None:
-            # a resumed stage: its rank 0 rewrites these files to end at its checkpoint, some
-            # seconds after starting; the streamer below must not read them first (it sent a
-            # discarded step, then lost its place in the rewritten file and failed the stage)
-            for name in ("metrics.jsonl", "completions.jsonl"):
+        # a resumed or retried stage: its rank 0 rewrites these files to end at its checkpoint
+        # (step 0 without one: a retry of an attempt killed before its first checkpoint), some
+        # seconds after starting; the streamer below must not read them first (it sent a
+        # discarded step, then lost its place in the rewritten file and failed the stage)
+        step = checkpoint_step(out) or 0
+        for name in ("metrics.jsonl", "completions.jsonl"):
+            if (out / name).exists():
                 trim_jsonl(out / name, step)
         # metrics reach MLflow while the ranks train; the JSONL file is the buffer
         with tracking.MetricsStreamer(cfg, run_id, out / "metrics.jsonl") as streamer:
