@@ -108,6 +108,10 @@ def cmd_evaluate(a: argparse.Namespace) -> None:
         from tasks.registry import download_model
 
         model = str(download_model(model, cfg))
+    else:  # a directory, or a Hub id in the Hugging Face cache
+        from grpo.launch.paths import model_path_dir
+
+        model = str(model_path_dir(model))
     sets = a.sets.split(",") if a.sets else cfg.eval.sets
     _preflight(cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"sets": sets})}),
                model_dirs=(model, a.baseline), train=False, base=a.base)  # fmt: skip

@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="delete the run already in --out and start again")  # fmt: skip
     e = add("evaluate", commands.cmd_evaluate, "evaluate a model on held-out sets")
     e.add_argument("--model", required=True,
-                   help="model directory, LoRA adapter or models:/NAME@ALIAS")  # fmt: skip
+                   help="model directory, LoRA adapter, Hub id (owner/name, from the "
+                   "Hugging Face cache) or models:/NAME@ALIAS")  # fmt: skip
     e.add_argument("--base", help="the base model of a LoRA adapter directory (default: the "
                    "one its adapter_config.json names)")  # fmt: skip
     e.add_argument("--sets", help="comma-separated: synthetic,synthetic_ood,gsm8k,math500,PATH")

@@ -28,6 +28,7 @@ from typing import Any
 
 from grpo.config import Config
 from grpo.data.order import prompt_indices
+from grpo.engine.loop import replace_dir
 from grpo.eval.run import generate_for_rows
 from grpo.eval.selection import RULE, Selection, last_dir
 from grpo.models.loading import device_for, load_model, load_tokenizer
@@ -185,8 +186,8 @@ def train_rft(
     log.close()
     chosen = selection.best()[0] if selection is not None else len(plan)
     chosen_dir = Path(policy_dir) if chosen == 0 else work / f"round-{chosen}"
-    _replace(chosen_dir, out_dir)
-    _replace(current, last_dir(out_dir))
+    replace_dir(chosen_dir, out_dir)
+    replace_dir(current, last_dir(out_dir))
     sampled = sum(h.get("sampled", 0) for h in history)
     summary = {
         "rounds": len(plan), "budget": budget, "sampled": sampled,
@@ -197,14 +198,3 @@ def train_rft(
     if selection is not None:
         summary["selection"] = {**selection.summary(len(plan)), "rule": RULE + " (by round)"}
     return summary
-
-
-def _replace(src: Path, dst: Path) -> None:
-    """dst becomes a copy of src (a model directory)."""
-    tmp = dst.with_name(dst.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    shutil.copytree(src, tmp, ignore=shutil.ignore_patterns("*_metrics.jsonl"))
-    if dst.exists():
-        shutil.rmtree(dst)
-    tmp.rename(dst)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grpo.config import Config
+from grpo.launch.paths import model_path_dir
 
 GIB = 1024**3
 # the tiny model's vocabulary (grpo.models.tiny): specials, printable ASCII, template tags
@@ -49,11 +50,11 @@ def model_dims(cfg: Config) -> Dims | None:
     if cfg.model.path is None:
         return None  # a GGUF file: converted later, its shapes unknown here
     try:
-        c = json.loads((Path(cfg.model.path) / "config.json").read_text())
+        c = json.loads((model_path_dir(cfg.model.path) / "config.json").read_text())
         heads = c["num_attention_heads"]
         return Dims(c["vocab_size"], c["hidden_size"], c["num_hidden_layers"], heads,
                     c.get("num_key_value_heads", heads), c["intermediate_size"])  # fmt: skip
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError):  # ModelPathError too: preflight names it
         return None
 
 

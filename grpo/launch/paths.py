@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from grpo.config import Config
+from reward_fns.errors import UserError
 
 ERROR_DIR = "GRPO_ERROR_DIR"  # environment: where a failing rank writes its error (worker.py)
 
@@ -33,7 +36,7 @@ def base_model_dir(cfg: Config) -> Path:
     """The model SFT starts from: model.path, the converted model.gguf, or the tiny model built
     into the run directory."""
     if cfg.model.path:
-        return Path(cfg.model.path)
+        return model_path_dir(cfg.model.path)
     if cfg.model.gguf:
         return gguf_model_dir(cfg.model.gguf, Path(cfg.output_dir) / "base")
     from grpo.models.tiny import build_tiny_model
@@ -43,6 +46,58 @@ def base_model_dir(cfg: Config) -> Path:
         if not (out / "config.json").exists():
             build_tiny_model(out, cfg.model.tiny, cfg.seed)
     return out
+
+
+# a Hugging Face Hub repository id: one owner/name, no leading dot or slash
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class ModelPathError(UserError, ValueError):
+    """model.path names neither a directory nor a model in the Hugging Face cache."""
+
+
+def _hub_offline() -> bool:
+    # read at call time: huggingface_hub reads it once, at its import, and the pipeline sets
+    # it after
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def model_path_dir(path: str) -> Path:
+    """The directory `model.path` names: a local directory as it is, or a Hub id
+    (`owner/name`) resolved to its snapshot in the Hugging Face cache (`HF_HOME`,
+    `HF_HUB_CACHE`), downloaded first unless `HF_HUB_OFFLINE=1`, which the pipeline sets when
+    the environment leaves it unset."""
+    p = Path(path).expanduser()
+    if p.is_dir() or not HUB_ID.match(path):
+        return p
+    return _hub_snapshot(path, _hub_offline(), _hub_cache())
+
+
+def _hub_cache() -> str | None:
+    # huggingface_hub's own order (HF_HUB_CACHE, then HF_HOME/hub), read at call time
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    return str(Path(os.environ["HF_HOME"]) / "hub") if os.environ.get("HF_HOME") else None
+
+
+@functools.lru_cache(maxsize=8)  # one lookup (or download) a process, however many callers
+def _hub_snapshot(path: str, offline: bool, cache: str | None) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(path, cache_dir=cache, local_files_only=offline))
+    except LocalEntryNotFoundError as e:
+        how = ("HF_HUB_OFFLINE=1: run once with HF_HUB_OFFLINE=0 to download it, or "
+               "`hf download " + path + "`") if offline else str(e).splitlines()[0]  # fmt: skip
+        raise ModelPathError(
+            f"model.path {path}: no such directory, and not in the Hugging Face cache ({how})"
+        ) from e
+    except HfHubHTTPError as e:
+        raise ModelPathError(
+            f"model.path {path}: no such directory, and the Hub refused it: "
+            f"{str(e).splitlines()[0]}"
+        ) from e
 
 
 def gguf_model_dir(spec: str, cache: Path) -> Path:

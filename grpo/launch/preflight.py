@@ -174,7 +174,12 @@ def preflight(
     if train:
         check_world_size(cfg)
     if cfg.model.path:
-        check_model_dir(cfg.model.path)
+        from grpo.launch.paths import ModelPathError, model_path_dir
+
+        try:
+            check_model_dir(model_path_dir(cfg.model.path))
+        except ModelPathError as e:
+            raise PreflightError(str(e)) from e
     if cfg.model.gguf:
         check_gguf(cfg.model.gguf)
     for d in model_dirs:

@@ -2,6 +2,7 @@
 BPE tokenizer and chat template, several EOS ids, offsets, logits kept, the whole pipeline."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -164,20 +165,44 @@ def test_truncated_completions_can_be_masked_out_of_the_loss(tmp_path):
     assert changed == {True: False, False: True}
 
 
-def test_the_pipeline_runs_on_a_real_architecture(real_dir, tmp_path):
+def _in_hub_cache(model: Path, cache: Path, repo: str) -> None:
+    """`model` laid out as the Hugging Face cache holds a downloaded repository."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    root = cache / ("models--" + repo.replace("/", "--"))
+    shutil.copytree(model, root / "snapshots" / commit)
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text(commit)
+
+
+def test_a_hub_id_not_in_the_cache_is_one_line_naming_the_way_to_get_it(tmp_path, monkeypatch):
+    from grpo.launch.paths import ModelPathError, model_path_dir
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelPathError) as e:
+        model_path_dir("acme/not-downloaded")
+    msg = str(e.value)
+    assert "\n" not in msg and "acme/not-downloaded" in msg and "HF_HUB_OFFLINE=0" in msg
+
+
+def test_the_pipeline_runs_on_a_real_architecture(real_dir, tmp_path, monkeypatch):
     """sft.enabled false, GSM8K prompts in the chat template, accuracy + format rewards, a few
     GRPO steps, evaluation on GSM8K and MATH-500 subsets; registered like the toy. MATH-500
     holds prompts longer than grpo.max_prompt_length (512) in this tokenizer: validation lets
     them through (evaluation can hold 2048 - 12 tokens), as it must for the shipped Qwen2.5
-    config."""
+    config. The model is named by its Hub id, from a Hugging Face cache, offline (a user's
+    `model.path: Qwen/Qwen2.5-0.5B-Instruct` once downloaded), in every stage and rank."""
     from mlflow import MlflowClient
     from prefect.testing.utilities import prefect_test_harness
 
     from flows.pipeline import PipelineParams, grpo_pipeline
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    _in_hub_cache(real_dir, tmp_path / "hub", "acme/realistic-qwen")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     overrides = [
-        f"model.path={real_dir}", "model.chat_template=true", "sft.enabled=false",
+        "model.path=acme/realistic-qwen", "model.chat_template=true", "sft.enabled=false",
         "data.task=files", f"data.train_path={ROOT / 'data/gsm8k/train.jsonl'}",
         "data.gsm8k_solutions=true", "grpo.steps=2", "grpo.prompts_per_step=2",
         "grpo.num_generations=4", "grpo.max_completion_length=12", "grpo.eval_every=0",
@@ -213,3 +238,4 @@ def test_the_pipeline_runs_on_a_real_architecture(real_dir, tmp_path):
         assert parent.data.metrics[f"grpo/eval/{s}/left_out"] == 0.0
     mv = c.get_model_version_by_alias("realistic-e2e", "challenger")
     assert mv.run_id == grpo_run
+    assert c.get_run(grpo_run).data.params["model.path"] == "acme/realistic-qwen"
