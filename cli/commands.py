@@ -179,6 +179,27 @@ def cmd_compare(a: argparse.Namespace) -> None:
         print_tables(result)
 
 
+def cmd_models(a: argparse.Namespace) -> None:
+    from reward_fns.errors import UserError
+    from tasks import tracking
+    from tasks.registry_view import print_listing, registry_listing
+
+    cfg = _config(a)
+    if a.all and a.name:
+        raise UserError("give --name or --all, not both")
+    tracking.check_reachable(cfg)
+    name = None if a.all else (a.name or cfg.tracking.registered_model)
+    listing = registry_listing(tracking.client(cfg), name, cfg.tracking.promotion_metric,
+                               a.limit)  # fmt: skip
+    if name is not None and not listing["models"]:
+        raise UserError(f"no registered model {name} in {tracking.tracking_uri(cfg)} "
+                     "(grpo models --all lists every one)")  # fmt: skip
+    if a.format == "json":
+        print(json.dumps(listing, indent=1))
+    else:
+        print_listing(listing)
+
+
 def cmd_import_gguf(a: argparse.Namespace) -> None:
     from grpo.launch.paths import gguf_model_dir
 

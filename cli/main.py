@@ -79,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="table",
         help="rich tables (default), markdown for notes and PR comments, json for CI",
     )
+    md = add("models", commands.cmd_models, "the registry: models, versions, aliases, the "
+             "gate's decisions and who promoted")  # fmt: skip
+    md.add_argument("--name", help="one registered model (default: tracking.registered_model; "
+                    "--all for every one)")  # fmt: skip
+    md.add_argument("--all", action="store_true", help="every registered model in the store")
+    md.add_argument("--limit", type=int, default=10, help="newest versions shown a model")
+    md.add_argument("--format", choices=("table", "json"), default="table")
     ig = add(
         "import-gguf", commands.cmd_import_gguf, "turn a GGUF file into a Hugging Face directory"
     )
@@ -178,6 +185,7 @@ RESUME = {
     "RUN_ID` (the MLflow run printed above) continues it, GRPO from its last checkpoint",
     "promote": "nothing was changed unless the alias line was printed",
     "compare": "stopped; nothing was changed",
+    "models": "stopped; nothing was changed",
     "import-gguf": "stopped; the next run converts the file again",
     "worker": "the worker stopped; a flow run it had started ends Crashed",
     "users": "stopped; `grpo users list` shows what exists",

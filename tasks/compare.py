@@ -322,23 +322,17 @@ def to_markdown(result: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
-def print_tables(result: dict[str, Any]) -> None:
-    """The comparison as rich tables on the terminal."""
+def print_tables(result: dict[str, Any], console: Any = None) -> None:
+    """The comparison as rich tables that fit the terminal (tasks.terminal): run ids whole."""
     from rich.console import Console
-    from rich.table import Table
 
-    console = Console()
+    from tasks.terminal import print_rows
+
+    console = console or Console()
     for title, rows in sections(result):
         if not rows:
             console.print(f"[bold]{title}[/bold]" + ("" if ":" in title else ": none logged"))
             continue
-        t = Table(title=title, title_justify="left", title_style="bold")
-        for col in rows[0]:
-            numeric = col in ("A", "B", "B - A", "problems") and title != "params that differ"
-            # ids and names are copied from here: never broken across lines
-            whole = col in ("run_id", "name", "started")
-            t.add_column(col, justify="right" if numeric else "left",
-                         overflow="fold", no_wrap=whole)  # fmt: skip
-        for r in rows:
-            t.add_row(*r.values())
-        console.print(t)
+        numeric = ("A", "B", "B - A", "problems") if title != "params that differ" else ()
+        print_rows(console, title, rows, right=numeric, key="" if title == "runs" else None,
+                   whole=("run_id", "name", "started", ""))  # fmt: skip

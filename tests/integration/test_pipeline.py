@@ -287,6 +287,33 @@ def test_end_to_end_logs_registers_and_loads(store):
     assert served.keys() == own.keys() and all(served[k].equal(own[k]) for k in own)
 
 
+def _the_terminal_view_of_the_registry(c, champion: str, gated: str, refused: str) -> None:
+    """`grpo models`: where the aliases point, each version's gate decision and how the
+    champion got there, newest first; in 80 columns with run ids whole."""
+    import io
+
+    from rich.console import Console
+
+    from tasks.registry_view import print_listing, registry_listing
+
+    listing = registry_listing(c, "gate-test", "eval/synthetic/accuracy", limit=4)
+    (m,) = listing["models"]
+    assert m["aliases"]["champion"] == champion and m["versions"] == 6
+    rows = {r["version"]: r for r in m["shown"]}
+    assert [r["version"] for r in m["shown"]] == [str(v) for v in range(6, 2, -1)]
+    assert rows[str(gated)]["gate"] == "promoted" and rows[str(gated)]["promoted"] == "the gate"
+    assert rows[str(refused)]["gate"] == "not promoted" and rows[str(refused)]["promoted"] == "-"
+    assert rows[str(gated)]["value"] == "0.5"
+    whole = registry_listing(c, "gate-test", "eval/synthetic/accuracy", limit=10)["models"][0]
+    mine = {r["version"]: r for r in whole["shown"]}[str(champion)]
+    assert "@champion" in mine["aliases"] and "grpo promote" in mine["promoted"]
+    out = io.StringIO()
+    print_listing(listing, Console(file=out, width=80, color_system=None))
+    lines = out.getvalue().splitlines()
+    assert max(map(len, lines)) <= 80
+    assert any(rows[str(gated)]["run_id"] in x for x in lines)
+
+
 def test_the_gate_on_real_registry_state(store):
     """Paired evidence decides: worse or within noise of the champion is not promoted, clearly
     better is; a champion that could not be evaluated (NaN) blocks; a first version that does
@@ -354,6 +381,7 @@ def test_the_gate_on_real_registry_state(store):
         "rollback drill"
         in c.get_model_version("gate-test", first["version"]).tags["manual/champion"]
     )
+    _the_terminal_view_of_the_registry(c, first["version"], better["version"], worse["version"])
     # evidence against a champion that another pipeline replaced meanwhile promotes nothing
     runs.append(c.create_run(exp).info.run_id)
     stale = register(

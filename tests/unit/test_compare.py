@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tasks.compare import differing_params, metric_rows, sections
+from tasks.compare import differing_params, metric_rows, print_tables, sections
 
 
 def _run(params: dict, metrics: dict, tags: dict | None = None) -> SimpleNamespace:
@@ -43,3 +43,31 @@ def test_held_out_metrics_side_by_side_reference_first():
               "metrics": rows, "paired": [], "unpaired": [], "costs": []}  # fmt: skip
     table = dict(sections(result))["held-out metrics"]
     assert table[1]["B - A"] == "+0.125" and table[2]["B"] == "-"
+
+
+@pytest.mark.parametrize("width", [80, 60, 200])
+def test_tables_fit_the_terminal_and_run_ids_are_never_cut(width):
+    """An 80-column terminal (or a pipe) once folded the runs table's columns to nothing and cut
+    the ids a user copies from it."""
+    import io
+
+    from rich.console import Console
+
+    ids = {"A": "0123456789abcdef0123456789abcdef", "B": "fedcba9876543210fedcba9876543210"}
+    side = {s: {"run_id": i, "name": f"smollm2-135m-rg-{s}", "status": "FINISHED",
+                "started": "2026-12-07 05:06 UTC", "registered_version": "12"}
+            for s, i in ids.items()}  # fmt: skip
+    rows = metric_rows(A, B)
+    costs = [{"what": "grpo seconds", "A": 12.5, "B": 14.0}]
+    result = {**side, "params": differing_params(A, B), "metrics": rows, "paired": [],
+              "unpaired": [], "costs": costs}  # fmt: skip
+    out = io.StringIO()
+    print_tables(result, Console(file=out, width=width, color_system=None))
+    lines = out.getvalue().splitlines()
+    assert max(len(x) for x in lines) <= width
+    text = out.getvalue()
+    for i in ids.values():  # whole, on one line
+        assert any(i in x for x in lines), (i, text)
+    assert "smollm2-135m-rg-B" in text and "+0.125" in text
+    if width == 200:  # room for one row a run
+        assert sum(ids["A"] in x and "FINISHED" in x for x in lines) == 1
