@@ -34,6 +34,11 @@ def resolve(name: str, *, max_completion_length: int, overlong_cache: int) -> Re
         module, _, attr = name.partition(":")
         try:
             fn = getattr(importlib.import_module(module), attr)
+        except ModuleNotFoundError as e:
+            top = e.name == module.split(".")[0]  # the module itself, not one it imports
+            where = ("; put its directory on PYTHONPATH (PYTHONPATH=. for the working "
+                     "directory) or install it") if top else ""  # fmt: skip
+            raise ValueError(f"reward_funcs: cannot import {name!r}: {e}{where}") from e
         except (ImportError, AttributeError) as e:
             raise ValueError(f"reward_funcs: cannot import {name!r}: {e}") from e
         if not callable(fn):

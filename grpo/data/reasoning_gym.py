@@ -4,11 +4,11 @@ pipeline's sets.
 Each generator of data.generators gets a share of every split by its weight (largest
 remainders), and each (split, generator) pair draws from its own seed. reasoning-gym seeds item
 i of a dataset with seed + i, so two seeds closer than a dataset's length would draw the same
-items: the seeds are spaced by STRIDE, more than any split's length, seed = (data.seed x 100 +
-split index x 10 ... ) x STRIDE (split_seed; a generator's held-out set, `rg:<name>`, uses split
-index 9, which no training split has). Questions are deduplicated across all sets by their text:
-a question already drawn for an earlier split (in SPLITS order, held-out first) is skipped, so
-the sets are disjoint whatever the generators repeat.
+items: the seeds are spaced by STRIDE, more than any split's length, seed = ((data.seed x 10 +
+split index) x 1000 + generator index) x STRIDE (split_seed; a generator's held-out set,
+`rg:<name>`, uses split index 9, which no training split has). Questions are deduplicated
+across all sets by their text: a question already drawn for an earlier split (in SPLITS order,
+held-out first) is skipped, so the sets are disjoint whatever the generators repeat.
 
 Rows: id, prompt (the question), answer and solution (the generator's answer), generator,
 rg_entry (the generator's whole entry, which its score_answer reads), and for the SFT splits

@@ -3,7 +3,9 @@
 Set before torch is imported: OpenMP threads that spin-wait crawl on a shared 2-core machine
 (PASSIVE makes idle threads sleep), tokenizers' own threads fight the ranks', and the
 libraries' telemetry has no network to reach. On x86-64 the CPU kernels are pinned to AVX2
-(REPRODUCIBLE_CPU), so that a seed gives the same numbers on every x86-64 machine with AVX2.
+(REPRODUCIBLE_CPU), so that a seed gives the same numbers on machines of one CPU vendor whatever
+their vector width; across vendors (Intel and AMD) MKL's AVX2 path still rounds differently, and
+the numbers differ (benchmarks/NUMERICS.md).
 Values a user set win.
 """
 
@@ -25,7 +27,9 @@ QUIET_ENV = {
 # torch picks its vectorised kernels (softmax, reductions, element-wise ops) by the CPU's
 # instruction set, and MKL its matmul code path: AVX-512 and AVX2 machines then round
 # differently and the same seed trains other weights (benchmarks/NUMERICS.md). Both pinned to
-# AVX2: the same kernels on every x86-64 CPU since 2013, at no measured cost on this machine.
+# AVX2: torch's same kernels on every x86-64 CPU since 2013, at no measured cost on this
+# machine. MKL's AVX2 branch is not the same code on Intel and AMD, so the pin does not make
+# the two vendors agree.
 # ATEN_CPU_CAPABILITY=avx512 and MKL_CBWR=AUTO give the native kernels back.
 REPRODUCIBLE_CPU = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"}
 
