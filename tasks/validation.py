@@ -161,8 +161,9 @@ def validate_datasets(cfg: Config, docs_dir: Path) -> dict[str, Any]:
     if d.task == "reasoning_gym":
         sizes = {"train": d.num_train, "sft": d.num_sft, "sft_val": d.num_sft_val,
                  "select": d.num_select}  # fmt: skip
-        # rg:mix holds every training generator's held-out set
-        sizes |= {f"heldout_{set_label(n)}": d.num_heldout * (len(d.generators) if n == "rg:mix"
+        # rg:mix holds every training generator's held-out set (reworded or not)
+        mixes = ("rg:mix", "rg:reworded:mix")
+        sizes |= {f"heldout_{set_label(n)}": d.num_heldout * (len(d.generators) if n in mixes
                                                               else 1)
                   for n in cfg.eval.sets if n.startswith("rg:")}  # fmt: skip
 

@@ -29,6 +29,7 @@ SPLITS = ("heldout", "sft_val", "sft", "train", "select")
 SPLIT_INDEX = {"heldout": 9, "sft_val": 1, "sft": 2, "train": 3, "select": 4}
 EVAL_PREFIX = "rg:"
 MIX = "mix"  # rg:mix, every training generator's held-out set
+REWORDED = "reworded:"  # rg:reworded:<name>: the held-out set rg:<name> in other words
 # how many entries past the wanted count a generator may give before it is called exhausted
 SLACK = 10
 # items between two splits' seeds: more than any split draws (SLACK x its size + 5000)
@@ -166,8 +167,15 @@ def eval_rows(name: str, data: Any) -> list[dict[str, Any]]:
     generator never trained on: out of distribution) data.num_heldout problems of it at its
     defaults, drawn at the held-out seed past every training generator's index and
     deduplicated against every training set. `rg:mix`: every training generator's held-out
-    set together (evaluation then reports each generator's accuracy beside the whole's)."""
+    set together (evaluation then reports each generator's accuracy beside the whole's).
+    `rg:reworded:<generator>` / `rg:reworded:mix`: the same problems in other words, the
+    out-of-format check (grpo.data.rewording)."""
     gen = name.removeprefix(EVAL_PREFIX)
+    if gen.startswith(REWORDED):  # the out-of-format check (grpo.data.rewording)
+        from grpo.data.rewording import reword
+
+        return [{**r, "prompt": reword(r["generator"], r["prompt"])}
+                for r in eval_rows(EVAL_PREFIX + gen.removeprefix(REWORDED), data)]  # fmt: skip
     names = [s.name for s in data.generators] if data.task == "reasoning_gym" else []
     if gen == MIX:
         if not names:

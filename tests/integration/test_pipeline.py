@@ -1122,8 +1122,8 @@ def test_a_reasoning_gym_mix_through_the_pipeline(store):
     """data.task reasoning_gym on the tiny model, with RFT beside GRPO: the generated sets
     validated at the sizes asked for, logged as dataset inputs naming the library, its version,
     the generators, configs and seeds; GRPO scored by the generators' own checkers; the mix's
-    held-out sets reported per generator and overall, and a generator never trained on as an
-    out-of-distribution set."""
+    held-out sets reported per generator and overall, a generator never trained on as an
+    out-of-distribution set, and the mix reworded as the out-of-format set."""
     import mlflow
     from mlflow import MlflowClient
 
@@ -1137,7 +1137,7 @@ def test_a_reasoning_gym_mix_through_the_pipeline(store):
         tmp, "data.task=reasoning_gym", f"data.generators={gens}", "data.num_train=40",
         "data.num_sft=24", "data.num_sft_val=8", "data.num_heldout=10", "data.num_select=0",
         "grpo.eval_every=0", "grpo.steps=1", "grpo.max_prompt_length=160",
-        "grpo.reward_funcs=[reasoning_gym, format]", "eval.sets=[rg:mix, rg:lcm]",
+        "grpo.reward_funcs=[reasoning_gym, format]", "eval.sets=[rg:mix, rg:lcm, rg:reworded:mix]",
         "tracking.promotion_metric=eval/rg_mix/accuracy", "tracking.registered_model=rg-e2e",
         "rft.enabled=true", "rft.rounds=1", "model.tiny.max_position_embeddings=512",
     )  # fmt: skip
@@ -1155,6 +1155,7 @@ def test_a_reasoning_gym_mix_through_the_pipeline(store):
         "sft_val": 8,
         "heldout_rg_mix": 20,
         "heldout_rg_lcm": 10,
+        "heldout_rg_reworded_mix": 20,
     }
     assert all(v["success"] for v in results.values())
     # the dataset inputs name the library, its version, the generators, configs and seeds
@@ -1179,5 +1180,8 @@ def test_a_reasoning_gym_mix_through_the_pipeline(store):
     md = (tmp / "runs" / "tiny" / parent.info.run_id / "eval" / "grpo" / "report.md").read_text()
     assert f"| rg:mix | gcd | {mix['by_generator']['gcd']:.3f} |" in md
     assert report["sets"]["rg:lcm"]["num_problems"] == 10
+    # the out-of-format check: the mix's problems in other words, reported the same way
+    worded = report["sets"]["rg:reworded:mix"]
+    assert set(worded["by_generator"]) == {"chain_sum", "gcd"} and worded["num_problems"] == 20
     pm = parent.data.metrics
     assert "grpo/eval/rg_mix/diff_vs_rft" in pm and "rft/eval/rg_lcm/accuracy" in pm

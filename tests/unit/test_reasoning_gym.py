@@ -2,6 +2,8 @@
 generator's checker as a TRL-style reward on hand-made completions, and the errors a config
 meets."""
 
+import re
+
 import pytest
 
 pytest.importorskip("reasoning_gym", reason="the real extra (make install-real)")
@@ -113,3 +115,35 @@ def test_an_unknown_generator_or_config_is_one_line_naming_it():
     data = load_config(None, ["data.task=reasoning_gym", "data.num_train=500", gens]).data
     with pytest.raises(DataError, match="gcd .* distinct new questions"):
         rgd.make_sets(data)
+
+
+def test_the_out_of_format_set_asks_the_same_problems_in_other_words():
+    """rg:reworded:<name>: each held-out question rewritten by hand-written templates, the same
+    numbers and the same gold answer, scored by the generator's own checker; ids kept, so the
+    two phrasings pair problem by problem."""
+    from grpo.data.rewording import reword
+
+    assert reword("chain_sum", "State the final answer to the following arithmetic problem: "
+                  "98 + 93 =") == "Work out 98 + 93 and say what number it comes to."  # fmt: skip
+    assert reword("gcd", "Find the Greatest Common Divisor (GCD) of these numbers: 60, 100. "
+                  "Give only the GCD as your final answer.") == (
+        "Which is the biggest whole number that divides 60 and 100 with no remainder?")  # fmt: skip
+    bits = "How many 1 bits are there in the binary representation of the number 638?"
+    assert reword("count_bits", bits) == "Write 638 in base 2. How many of its digits are ones?"
+    data = _cfg().data
+    plain, worded = rgd.eval_rows("rg:mix", data), rgd.eval_rows("rg:reworded:mix", data)
+    assert [r["id"] for r in worded] == [r["id"] for r in plain]
+    for p, w in zip(plain, worded):
+        assert w["prompt"] != p["prompt"] and w["answer"] == p["answer"]
+        assert set(re.findall(r"\d+", w["prompt"])) == set(re.findall(r"\d+", p["prompt"]))
+    # the reward still grades the same answers: the entry is the generator's own
+    row = worded[0]
+    good = f"<answer>{row['answer']}</answer>"
+    assert reasoning_gym_reward([good, "<answer>-1</answer>"], rg_entry=[row["rg_entry"]] * 2) == [
+        1.0, 0.0]  # fmt: skip
+    # a generator without a rewording, or a question of another form, is an error, never the
+    # original question passed through
+    with pytest.raises(DataError, match="no rewording for generator 'spell_backward'"):
+        reword("spell_backward", "Spell this word backward: cat")
+    with pytest.raises(DataError, match="rg:reworded:gcd: a question does not have the form"):
+        reword("gcd", "What is the GCD of 4 and 6?")
