@@ -24,13 +24,13 @@ def _chain_sum(m: re.Match[str]) -> str:
 
 
 def _leg_counting(m: re.Match[str]) -> str:
-    return (f"A farm has {m['animals']}. Counting every leg of every animal, how many legs is "
-            "that?")
+    return f"A farm has {m['animals']}. Counting every leg of every animal, how many legs is that?"
 
 
 def _letter_counting(m: re.Match[str]) -> str:
-    return (f"Look at the words \"{m['text']}\". Count the {m['letter']}'s in them: how many "
-            "are there?")
+    return (
+        f'Look at the words "{m["text"]}". Count the {m["letter"]}\'s in them: how many are there?'
+    )
 
 
 def _count_bits(m: re.Match[str]) -> str:
