@@ -29,6 +29,7 @@ unchanged (tests/integration/test_trl_compat.py). Functions given by import path
 """
 
 from reward_fns.accuracy import accuracy, extract_answer, gold_parses, is_correct
+from reward_fns.environment import environment_reward
 from reward_fns.format import format_reward, soft_overlong_penalty
 from reward_fns.process import arithmetic_steps, column_steps
 from reward_fns.reasoning_gym import lenient_entry, reasoning_gym_reward, score_entry
@@ -42,6 +43,7 @@ __all__ = [
     "RewardFunctionError",
     "accuracy",
     "arithmetic_steps",
+    "environment_reward",
     "column_steps",
     "extract_answer",
     "format_reward",

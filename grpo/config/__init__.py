@@ -28,6 +28,7 @@ from grpo.config.sections import (
     RFTConfig,
     SFTConfig,
     TinyModelConfig,
+    ToolsConfig,
     TrackingConfig,
     set_label,
 )
@@ -103,6 +104,27 @@ def switched_off_error(cfg: Config) -> str | None:
     return None
 
 
+def tools_error(cfg: Config) -> str | None:
+    """What multi-turn rollouts with tools do not support yet, or what would go unused."""
+    t, g = cfg.tools, cfg.grpo
+    if "environment" in g.reward_funcs and not t.environment:
+        return "grpo.reward_funcs names `environment` (the environment's get_reward), but " \
+            "tools.environment is not set"  # fmt: skip
+    if not t.active:
+        if t != type(t)():
+            return "tools.* is set but no tool is: give tools.functions or tools.environment"
+        return None
+    if g.async_rollouts:
+        return "tools with grpo.async_rollouts are not supported yet: the sampler process " \
+            "runs single-turn completions; set grpo.async_rollouts=false"  # fmt: skip
+    if g.advantage_mode == "process":
+        return "tools with grpo.advantage_mode=process are not supported: process rewards " \
+            "score one completion's reasoning steps, not an episode's turns"  # fmt: skip
+    if cfg.method == "rft" or cfg.rft.enabled:
+        return "tools with RFT are not supported yet: RFT samples single-turn completions"
+    return None
+
+
 class ConfigError(UserError, ValueError):
     """A config file or override is invalid; the message names the field."""
 
@@ -122,6 +144,7 @@ class Config(Strict):
         "RFT alone (rejection-sampling fine-tuning, section rft)",
     )
     rft: RFTConfig = RFTConfig()
+    tools: ToolsConfig = ToolsConfig()
     deepspeed: DeepSpeedConfig = DeepSpeedConfig()
     eval: EvalConfig = EvalConfig()
     tracking: TrackingConfig = TrackingConfig()
@@ -180,6 +203,8 @@ class Config(Strict):
                 "rft.enabled trains RFT beside GRPO; with method=rft RFT is what is trained and "
                 "registered (no GRPO): remove rft.enabled"
             )
+        if error := tools_error(self):
+            raise ValueError(error)
         if error := switched_off_error(self):
             raise ValueError(error)
         return self

@@ -185,6 +185,45 @@ class DataConfig(Strict):
         return self
 
 
+class SandboxConfig(Strict):
+    """The `python` tool's limits, per call (grpo.env.sandbox)."""
+
+    cpu_s: int = Field(5, ge=1, description="CPU seconds")
+    wall_s: float = Field(10.0, gt=0, description="wall clock, the process group killed after")
+    memory_mb: int = Field(512, ge=64, description="address space")
+    processes: int = Field(16, ge=1, description="processes (enforced as user nobody, root)")
+    output_bytes: int = Field(8192, ge=256, description="stdout and stderr each")
+    require: list[Literal["no-network", "user-nobody", "process-limit", "hidden-paths"]] = Field(
+        default_factory=list,
+        description="protections the machine must give or the run is refused (they need root)",
+    )
+
+
+class ToolsConfig(Strict):
+    """Multi-turn rollouts with tools (grpo.env): after each assistant turn, the tool calls it
+    holds run and their results come back, until a turn has no call or a limit ends it."""
+
+    functions: list[str] = Field(
+        default_factory=list,
+        description="stateless tools, TRL's tools=[...]: calculator, python (built in), or "
+        "module:function (typed, with a docstring)",
+    )
+    environment: str | None = Field(
+        None,
+        description="module:Class, TRL's environment_factory: one instance per episode, its "
+        "public methods the tools, reset(**row) before it, get_reward() scoring it (reward "
+        "function `environment`)",
+    )
+    max_turns: int = Field(4, ge=1, description="model turns an episode may take")
+    max_tool_tokens: int = Field(256, ge=8, description="tokens of one tool response, cut after")
+    max_calls_per_turn: int = Field(4, ge=1, description="calls run per turn; more are errors")
+    sandbox: SandboxConfig = SandboxConfig()
+
+    @property
+    def active(self) -> bool:
+        return bool(self.functions or self.environment)
+
+
 class RFTConfig(Strict):
     """Rejection-sampling fine-tuning (RFT, expert iteration, STaR): from the same reference, on
     GRPO's answer-only prompts, in rounds: sample, keep what the verifier marks correct, SFT on

@@ -25,7 +25,7 @@ from grpo.config import Config, prompts_split_error
 from grpo.data.sets import eval_set, training_sets
 from grpo.engine.async_rollouts import AsyncRollouts, split_threads
 from grpo.engine.deepspeed_setup import build_engine, gathered, save_policy
-from grpo.engine.distributed import all_reduce_sum, init_distributed
+from grpo.engine.distributed import all_reduce_dict, all_reduce_sum, init_distributed
 from grpo.engine.reference import Reference
 from grpo.engine.rollout_metrics import rollout_metrics
 from grpo.engine.run_files import RunFiles
@@ -118,6 +118,13 @@ class Trainer:
         elif g.uses_reference:
             self.reference = Reference.load(cfg, policy_dir, self.device)
         self.scorer = RewardScorer(cfg)
+        self.toolbox = None
+        if cfg.tools.active:  # multi-turn episodes; the python tool's code sees none of these
+            from grpo.engine.episodes import Toolbox
+
+            hidden = (str(Path(__file__).resolve().parents[2]), str(Path(cfg.output_dir).resolve()),
+                      str(Path.cwd()))  # fmt: skip
+            self.toolbox = Toolbox(cfg, hidden=hidden)
         sets = training_sets(cfg)
         self.train_rows = sets["train"]
         self.eval_rows: list[dict] = []
@@ -273,6 +280,7 @@ class Trainer:
             sampled = sample_step(
                 self.engine.module, self.tok, self.cfg, self.train_rows, self.scorer, step=step,
                 rank=self.rank, world=self.world, device=self.device, eos_ids=self.eos_ids,
+                toolbox=self.toolbox,
             )  # fmt: skip
         t1 = time.time()
         # dynamic sampling keeps informative groups first
@@ -296,6 +304,10 @@ class Trainer:
             m["async/staleness"] = float(staleness)
         else:
             m.update(self.scorer.take_metrics())
+        if sampled.tool_metrics is not None:
+            from grpo.engine.episodes import reduce_episode_metrics
+
+            m.update(reduce_episode_metrics(all_reduce_dict(sampled.tool_metrics, self.device)))
         n_tok = all_reduce_sum([float(ro.completion_mask.sum())], self.device)[0]
         n_sampled = all_reduce_sum([len(sampled.texts)], self.device)[0]
         m.update({

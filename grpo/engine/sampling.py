@@ -36,6 +36,7 @@ class Sampled:
     texts: list[str]
     scores: Scores
     rounds: int  # generation rounds (1 without dynamic sampling)
+    tool_metrics: dict[str, float] | None = None  # multi-turn: this rank's sums (tools/*)
 
 
 def sample_step(
@@ -51,6 +52,7 @@ def sample_step(
     device: torch.device,
     eos_ids: list[int],
     alone: bool = False,
+    toolbox: Any = None,
 ) -> Sampled:
     """This rank's prompts of `step`, G completions each, scored as they come.
 
@@ -59,29 +61,42 @@ def sample_step(
     is reached. With several ranks the decision is collective (a round runs while any rank
     still needs groups), because ZeRO-3 gathers parameters collectively in every round;
     `alone` (a sampler process, outside the ranks' process group) decides for this rank only.
+    With a toolbox (grpo.engine.episodes.Toolbox) each completion is a multi-turn episode.
     """
     g = cfg.grpo
     local = g.prompts_per_step // world
     idx = prompt_indices(step, rank, local, world, len(train_rows), cfg.seed)
     rows = [train_rows[i] for i in idx]
     parts, kept_rows, texts, scores = [], [], [], []
+    tool_metrics: dict[str, float] | None = None
     informative = 0
     rng = random.Random(derived_seed(cfg.seed, step, rank, SAMPLING_ROUND))
     rounds = g.max_sampling_rounds if g.dynamic_sampling else 1
     for rnd in range(rounds):
         # a seed per (step, rank, round): a resumed run samples exactly what it would have
         torch.manual_seed(derived_seed(cfg.seed, step, rank, rnd))
-        ids, mask = encode_prompts(tok, [r["prompt"] for r in rows], cfg, device)
-        with gathered(policy, cfg.deepspeed.zero_stage):
-            ro = generate(
-                policy, ids, mask,
-                num_generations=g.num_generations, max_completion_length=g.max_completion_length,
-                eos_token_id=eos_ids, pad_token_id=tok.pad_token_id,
-                temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
-                engine=cfg.model.generation_engine,
-            )  # fmt: skip
-        round_texts = tok.batch_decode(ro.completion_ids, skip_special_tokens=True)
-        sc = scorer(ro, rows, round_texts, step)
+        if toolbox is not None:
+            from grpo.engine.episodes import episode_metrics, run_tool_round
+
+            with gathered(policy, cfg.deepspeed.zero_stage):
+                batch = run_tool_round(policy, tok, cfg, rows, toolbox, device, eos_ids)
+            ro, round_texts = batch.rollout, batch.texts
+            sc = scorer(ro, rows, round_texts, step, episodes=batch)
+            got = episode_metrics(batch.episodes, batch.responses_cut)
+            tool_metrics = {k: (tool_metrics or {}).get(k, 0.0) + v for k, v in got.items()}
+        else:
+            ids, mask = encode_prompts(tok, [r["prompt"] for r in rows], cfg, device)
+            with gathered(policy, cfg.deepspeed.zero_stage):
+                ro = generate(
+                    policy, ids, mask,
+                    num_generations=g.num_generations,
+                    max_completion_length=g.max_completion_length,
+                    eos_token_id=eos_ids, pad_token_id=tok.pad_token_id,
+                    temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+                    engine=cfg.model.generation_engine,
+                )  # fmt: skip
+            round_texts = tok.batch_decode(ro.completion_ids, skip_special_tokens=True)
+            sc = scorer(ro, rows, round_texts, step)
         parts.append(ro)
         kept_rows.extend(rows)
         texts.extend(round_texts)
@@ -93,7 +108,12 @@ def sample_step(
             break
         rows = rng.sample(train_rows, local)
     return Sampled(
-        cat_rollouts(parts, tok.pad_token_id), kept_rows, texts, Scores.cat(scores), len(parts)
+        cat_rollouts(parts, tok.pad_token_id),
+        kept_rows,
+        texts,
+        Scores.cat(scores),
+        len(parts),
+        tool_metrics,
     )
 
 
@@ -115,6 +135,7 @@ def cat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
             out.append(torch.nn.functional.pad(t, widths, value=value))
         return torch.cat(out)
 
+    multi = parts[0].model_mask is not None
     return Rollout(
         pad([p.prompt_ids for p in parts], True, pad_id),
         pad([p.prompt_mask for p in parts], True, 0),
@@ -123,6 +144,8 @@ def cat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
         torch.cat([p.truncated for p in parts]),
         pad([p.sampling_logps for p in parts], False, 0.0),
         parts[0].group_size,
+        pad([p.model_mask for p in parts], False, 0) if multi else None,
+        pad([p.turn for p in parts], False, 0) if multi else None,
     )
 
 

@@ -79,8 +79,15 @@ class RewardScorer:
             )
         self.metrics: dict[str, list[float]] = {}  # log_metric calls since the last take_metrics
 
-    def __call__(self, ro: Rollout, group_rows: list[dict], texts: list[str], step: int) -> Scores:
-        """Score the completions `texts` of the prompts `group_rows` (one row per group)."""
+    def __call__(
+        self, ro: Rollout, group_rows: list[dict], texts: list[str], step: int,
+        episodes: Any = None,
+    ) -> Scores:  # fmt: skip
+        """Score the completions `texts` of the prompts `group_rows` (one row per group).
+        episodes (grpo.engine.episodes.EpisodeBatch): multi-turn episodes, whose completions
+        are their whole conversations after the prompt (message lists with the chat template,
+        else the text), with `environments` (one instance per episode, or None each) and
+        `tool_calls` (each episode's calls: name, arguments, result or error) beside them."""
         G, conversational = ro.group_size, self.cfg.model.chat_template
         columns: dict[str, list[Any]] = {
             k: [r.get(k) for r in group_rows for _ in range(G)]
@@ -97,6 +104,10 @@ class RewardScorer:
         completions: list[Any] = (
             [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
         )
+        if episodes is not None:
+            completions = episodes.completions
+            columns["environments"] = [e.env for e in episodes.episodes]
+            columns["tool_calls"] = [list(e.calls) for e in episodes.episodes]
         extra: dict[str, list] = {}
 
         def log_extra(column: str, values: list) -> None:

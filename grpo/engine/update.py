@@ -62,17 +62,32 @@ class _Gap:
     largest: float = 0.0
     kl_k1: float = 0.0
     kl_k3: float = 0.0
+    # multi-turn: the gap of each model turn (sum, tokens), turns 1..TURN_METRICS
+    by_turn: dict[int, list[float]] = field(default_factory=dict)
 
-    def add(self, trainer: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor) -> None:
+    def add(
+        self, trainer: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor,
+        turn: torch.Tensor | None = None,
+    ) -> None:  # fmt: skip
         """Sampler vs training-forward log-probs of the same tokens under the same weights: the
-        rollout/trainer mismatch (numerics, kernels, dtype) that TRL and verl users watch."""
+        rollout/trainer mismatch (numerics, kernels, dtype) that TRL and verl users watch; in
+        episodes also per turn, where the mismatch grows with the context."""
         d = (trainer - sampler).abs() * mask
         self.total += float(d.sum())
         self.tokens += float(mask.sum())
+        if turn is not None:
+            for k in range(1, TURN_METRICS + 1):
+                at = (turn == k).to(mask.dtype) * mask
+                s = self.by_turn.setdefault(k, [0.0, 0.0])
+                s[0] += float((d * at).sum())
+                s[1] += float(at.sum())
         self.largest = max(self.largest, float(d.max()) if d.numel() else 0.0)
         kl = mismatch_metrics(trainer, sampler, mask)
         self.kl_k1 += kl["kl_k1"]
         self.kl_k3 += kl["kl_k3"]
+
+
+TURN_METRICS = 8  # logprob_gap/turn_<k> for the first turns of multi-turn episodes
 
 
 @dataclass
@@ -92,10 +107,13 @@ def metric_keys(g: GRPOConfig) -> tuple[str, ...]:
 def loss_mask(ro: Rollout, mask_truncated: bool) -> torch.Tensor:
     """The tokens the loss counts [N, C]: the completion mask, and with mask_truncated (DAPO's
     overlong filtering, TRL's mask_truncated_completions) none of a completion that hit
-    max_completion_length without EOS: its end is unknown, so its reward says little."""
+    max_completion_length without EOS: its end is unknown, so its reward says little. In a
+    multi-turn episode the tool responses are never counted (Rollout.trained_mask), and an
+    episode ended by a limit is truncated."""
+    mask = ro.trained_mask
     if not mask_truncated:
-        return ro.completion_mask
-    return ro.completion_mask * (~ro.truncated).unsqueeze(1).to(ro.completion_mask.dtype)
+        return mask
+    return mask * (~ro.truncated).unsqueeze(1).to(mask.dtype)
 
 
 def trained_rows(g: GRPOConfig, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -195,12 +213,15 @@ def update_policy(
             sums["_w"] += w
             sums["loss"] += float(loss.detach()) * weight / plan.n_micro / g.mu
     gap = state.gap
+    turns = {f"_turn{k}/{i}": v[i] for k, v in gap.by_turn.items() for i in (0, 1)}
     tot = all_reduce_dict(
         {**{k: sums.get(k, 0.0) for k in keys}, "_w": sums["_w"], "loss": sums["loss"],
          "nonfinite_losses": sums["nonfinite_losses"], "_gap": gap.total,
-         "_gap_tokens": gap.tokens, "_kl_k1": gap.kl_k1, "_kl_k3": gap.kl_k3},
+         "_gap_tokens": gap.tokens, "_kl_k1": gap.kl_k1, "_kl_k3": gap.kl_k3, **turns},
         plan.device,
     )  # fmt: skip
+    turn_gaps = {f"logprob_gap/turn_{k}": tot[f"_turn{k}/0"] / tot[f"_turn{k}/1"]
+                 for k in gap.by_turn if tot[f"_turn{k}/1"] > 0}  # fmt: skip
     out = {k: tot[k] / max(tot["_w"], 1.0) for k in keys}
     out["loss"] = tot["loss"] / plan.world
     out["nonfinite_losses"] = tot["nonfinite_losses"]
@@ -209,6 +230,7 @@ def update_policy(
     gn = engine.get_global_grad_norm()
     out["grad_norm"] = float(gn) if gn is not None else float(grad_norms[-1])
     out["logprob_gap/mean"] = tot["_gap"] / max(tot["_gap_tokens"], 1.0)
+    out |= turn_gaps
     out["mismatch/kl_k1"] = tot["_kl_k1"] / max(tot["_gap_tokens"], 1.0)
     out["mismatch/kl_k3"] = tot["_kl_k3"] / max(tot["_gap_tokens"], 1.0)
     out["logprob_gap/max"] = all_reduce_dict({"max": gap.largest}, plan.device, "max")["max"]
@@ -308,7 +330,8 @@ def _micro_loss(
         n_outside = float((outside.to(mask.device) & mask.bool()).sum())
     sampler = ro.sampling_logps[idx, :c]
     if state is not None and first_pass:
-        state.gap.add(logps.detach(), sampler, mask)
+        state.gap.add(logps.detach(), sampler, mask,
+                      None if ro.turn is None else ro.turn[idx, :c])  # fmt: skip
         if g.old_logprobs == "recompute" and g.mu > 1:
             state.old[idx, :c] = logps.detach()
     # mu = 1: pi_old is the current policy exactly (rho = 1, the gradient is the PG)

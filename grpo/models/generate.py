@@ -31,15 +31,27 @@ class Rollout:
     truncated: torch.Tensor  # [N] bool: no EOS within max_completion_length
     sampling_logps: torch.Tensor  # [N, C] log pi_old of each sampled token (0 where masked)
     group_size: int  # G: completions per prompt
+    # multi-turn episodes (grpo.env): 1 where the model wrote the token, 0 for the tool
+    # responses between its turns, which only the attention sees; and each token's turn
+    model_mask: torch.Tensor | None = None  # [N, C]
+    turn: torch.Tensor | None = None  # [N, C] the model turn a token belongs to (from 1)
 
     def select(self, idx: torch.Tensor) -> Rollout:
         """The rows idx, which must be whole groups (or a rank's share of whole groups)."""
         if idx.numel() % self.group_size:
             raise ValueError(f"idx: {idx.numel()} rows are not whole groups of {self.group_size}")
         tensors = {
-            f.name: getattr(self, f.name)[idx] for f in fields(self) if f.name != "group_size"
-        }
+            f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[idx]
+            for f in fields(self) if f.name != "group_size"
+        }  # fmt: skip
         return Rollout(**tensors, group_size=self.group_size)
+
+    @property
+    def trained_mask(self) -> torch.Tensor:
+        """The tokens a loss may count [N, C]: the completion's, less tool responses."""
+        if self.model_mask is None:
+            return self.completion_mask
+        return self.completion_mask * self.model_mask
 
     @property
     def lengths(self) -> torch.Tensor:

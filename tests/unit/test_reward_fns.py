@@ -182,7 +182,8 @@ def test_registry_resolves_names_and_import_paths():
 def test_registries_list_every_builtin_once():
     from reward_fns import PROCESS_REWARDS, REWARD_FUNCS
 
-    assert sorted(REWARD_FUNCS) == ["accuracy", "format", "reasoning_gym", "soft_overlong"]
+    assert sorted(REWARD_FUNCS) == ["accuracy", "environment", "format", "reasoning_gym",
+                                   "soft_overlong"]  # fmt: skip
     assert list(PROCESS_REWARDS) == ["column_steps", "arithmetic_steps"]
 
 
@@ -300,3 +301,22 @@ def test_a_second_reward_under_a_taken_name_is_refused_and_the_first_kept():
     with pytest.raises(DuplicateRewardName, match="'accuracy' is already registered"):
         reward_function("accuracy")(lambda completions, **kw: [0.0] * len(completions))
     assert REWARD_FUNCS["accuracy"] is first
+
+
+def test_the_environment_reward_is_each_episodes_own_score():
+    from reward_fns import RewardFunctionError, environment_reward
+
+    class Env:
+        def __init__(self, v):
+            self.v = v
+
+        def get_reward(self):
+            return self.v
+
+    assert environment_reward(["a", "b"], environments=[Env(1), Env(0.25)]) == [1.0, 0.25]
+    with pytest.raises(RewardFunctionError, match="no get_reward"):
+        environment_reward(["a"], environments=[object()])
+    with pytest.raises(RewardFunctionError, match="gave nan"):
+        environment_reward(["a"], environments=[Env(float("nan"))])
+    with pytest.raises(RewardFunctionError, match="no environments"):
+        environment_reward(["a"])

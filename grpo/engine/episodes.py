@@ -1,0 +1,248 @@
+"""Multi-turn rollouts with tools on either engine: each prompt's G episodes (grpo.env), run a
+turn at a time with the step's sampler (the fast sampler or transformers' generate, batched
+across the unfinished episodes), then laid out as a Rollout whose completion is everything
+after the prompt, the tool responses marked out of the loss (model_mask).
+
+The prompt shows the tools as the model's chat template does (`tools=` of apply_chat_template,
+Hermes/Qwen style), or, for a template without tool use or a model without a template, in the
+format grpo.env.calls documents, inside the system prompt or before the problem.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from grpo.config import Config
+from grpo.env.calculator import calculator
+from grpo.env.calls import template_has_tools, tool_instructions
+from grpo.env.episode import Episode, EpisodeLimits, GenerateTurn, TurnOutput, run_episodes
+from grpo.env.render import ToolTurns
+from grpo.env.sandbox import Limits, Sandbox
+from grpo.env.tools import Tool, ToolSpecError, environment_tools, make_tool
+from grpo.models.generate import Rollout, generate
+from grpo.models.prompts import SYSTEM_PROMPT
+
+
+class ToolSetupError(ToolSpecError):
+    """tools.functions or tools.environment cannot be loaded (the message names the entry)."""
+
+
+def _import(spec: str, what: str) -> Any:
+    module, _, attr = spec.partition(":")
+    if not attr:
+        raise ToolSetupError(f"{what} {spec!r}: expected module:name")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ToolSetupError(f"{what} {spec!r}: cannot import it: {e}") from e
+
+
+def python_tool(sandbox: Sandbox) -> Tool:
+    def python(code: str) -> str:
+        """Run Python code in a fresh, isolated process and return what it prints.
+
+        Args:
+            code: a Python program (standard library only); print what you want to see.
+        """
+        return sandbox.run(code).text()
+
+    return make_tool(python)
+
+
+class Toolbox:
+    """The configured tools: shared stateless ones, and an environment class built per episode.
+
+    Args:
+        cfg: the config (section tools).
+        hidden: directories the python tool's code must not see (the project, its runs).
+    """
+
+    def __init__(self, cfg: Config, hidden: tuple[str, ...] = ()) -> None:
+        t = cfg.tools
+        self.shared: dict[str, Tool] = {}
+        self.isolation: tuple[str, ...] = ()
+        for name in t.functions:
+            if name == "calculator":
+                tool = make_tool(calculator)
+            elif name == "python":
+                s = t.sandbox
+                box = Sandbox(Limits(cpu_s=s.cpu_s, wall_s=s.wall_s, memory_mb=s.memory_mb,
+                                     processes=s.processes, output_bytes=s.output_bytes),
+                              hidden=hidden, require=tuple(s.require))  # fmt: skip
+                self.isolation = box.isolation
+                tool = python_tool(box)
+            else:
+                tool = make_tool(_import(name, "tools.functions"))
+            if tool.name in self.shared:
+                raise ToolSetupError(f"tools.functions: two tools are named {tool.name}")
+            self.shared[tool.name] = tool
+        self.env_cls = _import(t.environment, "tools.environment") if t.environment else None
+        if self.env_cls is not None and not isinstance(self.env_cls, type):
+            raise ToolSetupError(f"tools.environment {t.environment!r} is not a class")
+
+    def episode(self, row: dict[str, Any]) -> tuple[dict[str, Tool], object | None, str]:
+        """An episode's tools, its environment (reset from the row) and text for the prompt."""
+        if self.env_cls is None:
+            return self.shared, None, ""
+        env = self.env_cls()
+        extra = env.reset(**row) if callable(getattr(env, "reset", None)) else None
+        tools = {**self.shared, **environment_tools(env)}
+        if len(tools) < len(self.shared) + len(environment_tools(env)):
+            raise ToolSetupError("a tool of tools.functions and a method of tools.environment "
+                                 "have the same name")  # fmt: skip
+        return tools, env, extra if isinstance(extra, str) else ""
+
+
+def episode_prompt(tok: Any, cfg: Config, problem: str, tools: dict[str, Tool]) -> str:
+    """The prompt text of an episode, the tools shown in the model's own format when it has
+    one."""
+    schemas = [t.schema for t in tools.values()]
+    if not cfg.model.chat_template:
+        return tool_instructions(schemas) + "\n\n" + problem
+    system = cfg.model.system_prompt or SYSTEM_PROMPT
+    if template_has_tools(getattr(tok, "chat_template", None)):
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": problem}]
+        return tok.apply_chat_template(msgs, tools=schemas, tokenize=False,
+                                       add_generation_prompt=True)  # fmt: skip
+    msgs = [{"role": "system", "content": system + "\n\n" + tool_instructions(schemas)},
+            {"role": "user", "content": problem}]  # fmt: skip
+    return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+
+def turn_engine(
+    policy: torch.nn.Module, tok: Any, cfg: Config, device: torch.device, eos_ids: list[int]
+) -> GenerateTurn:
+    """One turn of every unfinished episode, batched: contexts left-padded, sampled at the
+    step's temperature/top-k/top-p by the configured engine, each row cut to its budget."""
+    g = cfg.grpo
+
+    def turn(contexts: list[list[int]], budgets: list[int]) -> list[TurnOutput]:
+        width = max(len(c) for c in contexts)
+        ids = torch.full((len(contexts), width), tok.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(contexts), width), dtype=torch.long)
+        for i, c in enumerate(contexts):
+            ids[i, width - len(c) :] = torch.tensor(c)
+            mask[i, width - len(c) :] = 1
+        ro = generate(policy, ids.to(device), mask.to(device), num_generations=1,
+                      max_completion_length=max(budgets), eos_token_id=eos_ids,
+                      pad_token_id=tok.pad_token_id, temperature=g.temperature, top_p=g.top_p,
+                      top_k=g.top_k, engine=cfg.model.generation_engine)  # fmt: skip
+        outs = []
+        for i, budget in enumerate(budgets):
+            n = int(ro.completion_mask[i].sum())
+            drawn = ro.completion_ids[i, :n].tolist()
+            logps = ro.sampling_logps[i, :n].tolist()
+            finished = not bool(ro.truncated[i]) and n <= budget
+            outs.append(TurnOutput(drawn[:budget], logps[:budget], finished))
+        return outs
+
+    return turn
+
+
+@dataclass
+class EpisodeBatch:
+    """A round's episodes as the trainer takes them."""
+
+    rollout: Rollout
+    episodes: list[Episode]
+    texts: list[str]  # readable transcripts (completions.jsonl)
+    completions: list[Any]  # what reward functions get: message lists, or the text after it
+    responses_cut: int  # tool responses cut to tools.max_tool_tokens
+
+
+def transcript_text(ep: Episode) -> str:
+    return "\n".join(f"[{m['role']}] {m['content']}" for m in ep.transcript)
+
+
+def run_tool_round(
+    policy: torch.nn.Module, tok: Any, cfg: Config, rows: list[dict[str, Any]], toolbox: Toolbox,
+    device: torch.device, eos_ids: list[int],
+) -> EpisodeBatch:  # fmt: skip
+    """G episodes for each row, run to their ends, as a Rollout (rows of a prompt contiguous)."""
+    g, t = cfg.grpo, cfg.tools
+    episodes = []
+    for row in rows:
+        for _ in range(g.num_generations):
+            tools, env, extra = toolbox.episode(row)
+            problem = row["prompt"] + (("\n" + extra) if extra else "")
+            text = episode_prompt(tok, cfg, problem, tools)
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+            episodes.append(Episode(prompt_ids=ids, tools=tools, env=env))
+    render = ToolTurns(tok, cfg.model.chat_template, t.max_tool_tokens)
+    limits = EpisodeLimits(max_turns=t.max_turns, max_total_tokens=g.max_completion_length,
+                           max_tool_tokens=t.max_tool_tokens,
+                           max_calls_per_turn=t.max_calls_per_turn)  # fmt: skip
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    run_episodes(episodes, turn_engine(policy, tok, cfg, device, eos_ids), decode, render, limits)
+    rollout = episodes_rollout(episodes, tok.pad_token_id, g.num_generations, device)
+    if cfg.model.chat_template:
+        completions: list[Any] = [list(ep.transcript) for ep in episodes]
+    else:
+        completions = [decode(ep.ids) for ep in episodes]
+    texts = [transcript_text(e) for e in episodes]
+    return EpisodeBatch(rollout, episodes, texts, completions, render.cut)
+
+
+def episodes_rollout(episodes: list[Episode], pad_id: int, group_size: int,
+                     device: torch.device) -> Rollout:  # fmt: skip
+    """Episodes as a Rollout: prompts left-padded, everything after them right-padded; the
+    completion mask covers model and tool tokens (the attention), model_mask the model's."""
+    n = len(episodes)
+    p = max(len(e.prompt_ids) for e in episodes)
+    c = max(max(len(e.ids) for e in episodes), 1)
+    prompt_ids = torch.full((n, p), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros((n, p), dtype=torch.long)
+    comp = torch.full((n, c), pad_id, dtype=torch.long)
+    cmask, model, turn = (torch.zeros((n, c), dtype=torch.long) for _ in range(3))
+    logps = torch.zeros((n, c))
+    for i, e in enumerate(episodes):
+        prompt_ids[i, p - len(e.prompt_ids) :] = torch.tensor(e.prompt_ids)
+        prompt_mask[i, p - len(e.prompt_ids) :] = 1
+        k = len(e.ids)
+        if k:
+            comp[i, :k] = torch.tensor(e.ids)
+            cmask[i, :k] = 1
+            model[i, :k] = torch.tensor(e.model_mask)
+            turn[i, :k] = torch.tensor(e.turn)
+            logps[i, :k] = torch.tensor(e.logprobs)
+    truncated = torch.tensor([e.ended_by in ("max_turns", "max_total_tokens") for e in episodes])
+    return Rollout(prompt_ids.to(device), prompt_mask.to(device), comp.to(device),
+                   cmask.to(device), truncated.to(device), logps.to(device), group_size,
+                   model.to(device), turn.to(device))  # fmt: skip
+
+
+def episode_metrics(episodes: list[Episode], tool_turns_cut: int) -> dict[str, float]:
+    """This rank's sums for the step's tool metrics (tools/*): turns, calls, errors, time,
+    episodes ended by each limit, responses cut."""
+    model = sum(sum(e.model_mask) for e in episodes)
+    m = {"tools/episodes": float(len(episodes)),
+         "tools/turns": float(sum(e.turns for e in episodes)),
+         "tools/calls": float(sum(len(e.calls) for e in episodes)),
+         "tools/errors": float(sum(e.tool_errors for e in episodes)),
+         "tools/seconds": float(sum(e.tool_seconds for e in episodes)),
+         "tools/responses_cut": float(tool_turns_cut),
+         "tools/model_tokens": float(model),
+         "tools/tool_tokens": float(sum(len(e.ids) for e in episodes) - model)}  # fmt: skip
+    for why in ("answer", "max_turns", "max_total_tokens"):
+        m[f"tools/ended_by/{why}"] = float(sum(e.ended_by == why for e in episodes))
+    return m
+
+
+def reduce_episode_metrics(tot: dict[str, float]) -> dict[str, float]:
+    """The step's tool metrics from the sums over ranks: per episode, per call, and the share
+    of episodes each ending had."""
+    n = max(tot["tools/episodes"], 1.0)
+    calls = max(tot["tools/calls"], 1.0)
+    out = {"tools/turns_mean": tot["tools/turns"] / n, "tools/calls_mean": tot["tools/calls"] / n,
+           "tools/error_rate": tot["tools/errors"] / calls if tot["tools/calls"] else 0.0,
+           "tools/errors": tot["tools/errors"], "tools/seconds": tot["tools/seconds"],
+           "tools/responses_cut": tot["tools/responses_cut"],
+           "tools/model_tokens_mean": tot["tools/model_tokens"] / n,
+           "tools/tool_tokens_mean": tot["tools/tool_tokens"] / n}  # fmt: skip
+    out |= {k.replace("tools/ended_by/", "tools/ended_by_"): v / n
+            for k, v in tot.items() if k.startswith("tools/ended_by/")}  # fmt: skip
+    return out
