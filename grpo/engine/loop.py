@@ -119,12 +119,10 @@ class Trainer:
             self.reference = Reference.load(cfg, policy_dir, self.device)
         self.scorer = RewardScorer(cfg)
         self.toolbox = None
-        if cfg.tools.active:  # multi-turn episodes; the python tool's code sees none of these
-            from grpo.engine.episodes import Toolbox
+        if cfg.tools.active:  # multi-turn episodes
+            from grpo.models.episodes import Toolbox
 
-            hidden = (str(Path(__file__).resolve().parents[2]), str(Path(cfg.output_dir).resolve()),
-                      str(Path.cwd()))  # fmt: skip
-            self.toolbox = Toolbox(cfg, hidden=hidden)
+            self.toolbox = Toolbox(cfg)
         sets = training_sets(cfg)
         self.train_rows = sets["train"]
         self.eval_rows: list[dict] = []
@@ -305,7 +303,7 @@ class Trainer:
         else:
             m.update(self.scorer.take_metrics())
         if sampled.tool_metrics is not None:
-            from grpo.engine.episodes import reduce_episode_metrics
+            from grpo.models.episodes import reduce_episode_metrics
 
             m.update(reduce_episode_metrics(all_reduce_dict(sampled.tool_metrics, self.device)))
         n_tok = all_reduce_sum([float(ro.completion_mask.sum())], self.device)[0]

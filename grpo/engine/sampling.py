@@ -61,7 +61,7 @@ def sample_step(
     is reached. With several ranks the decision is collective (a round runs while any rank
     still needs groups), because ZeRO-3 gathers parameters collectively in every round;
     `alone` (a sampler process, outside the ranks' process group) decides for this rank only.
-    With a toolbox (grpo.engine.episodes.Toolbox) each completion is a multi-turn episode.
+    With a toolbox (grpo.models.episodes.Toolbox) each completion is a multi-turn episode.
     """
     g = cfg.grpo
     local = g.prompts_per_step // world
@@ -76,7 +76,7 @@ def sample_step(
         # a seed per (step, rank, round): a resumed run samples exactly what it would have
         torch.manual_seed(derived_seed(cfg.seed, step, rank, rnd))
         if toolbox is not None:
-            from grpo.engine.episodes import episode_metrics, run_tool_round
+            from grpo.models.episodes import episode_metrics, run_tool_round
 
             with gathered(policy, cfg.deepspeed.zero_stage):
                 batch = run_tool_round(policy, tok, cfg, rows, toolbox, device, eos_ids)

@@ -84,7 +84,7 @@ class RewardScorer:
         episodes: Any = None,
     ) -> Scores:  # fmt: skip
         """Score the completions `texts` of the prompts `group_rows` (one row per group).
-        episodes (grpo.engine.episodes.EpisodeBatch): multi-turn episodes, whose completions
+        episodes (grpo.models.episodes.EpisodeBatch): multi-turn episodes, whose completions
         are their whole conversations after the prompt (message lists with the chat template,
         else the text), with `environments` (one instance per episode, or None each) and
         `tool_calls` (each episode's calls: name, arguments, result or error) beside them."""

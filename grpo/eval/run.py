@@ -53,6 +53,11 @@ def generate_for_rows(
     top_k/top_p (RFT samples as GRPO does)."""
     max_new = max_new_tokens or cfg.grpo.max_completion_length
     eos_ids = eos_token_ids(tokenizer, model)
+    toolbox = None
+    if cfg.tools.active:  # a model trained with tools is evaluated with them, episode by episode
+        from grpo.models.episodes import Toolbox
+
+        toolbox = Toolbox(cfg)
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]["prompt"]))
     per_batch = max(1, batch_size // samples)
     records: list[dict[str, Any]] = []
@@ -60,17 +65,27 @@ def generate_for_rows(
     for b, start in enumerate(range(0, len(order), per_batch)):
         idx = order[start : start + per_batch]
         batch = [rows[i] for i in idx]
-        ids, mask = encode_prompts(tokenizer, [r["prompt"] for r in batch], cfg, device)
         # per-batch seed: the same samples for any model evaluated on the same rows
         torch.manual_seed(seed * SEED_STRIDE + b)
-        ro = generate(
-            model, ids, mask,
-            num_generations=samples, max_completion_length=max_new,
-            eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id,
-            temperature=temperature, do_sample=samples > 1, engine=cfg.model.generation_engine,
-            top_k=top_k, top_p=top_p,
-        )  # fmt: skip
-        texts = tokenizer.batch_decode(ro.completion_ids, skip_special_tokens=True)
+        episodes = None
+        if toolbox is not None:
+            from grpo.models.episodes import final_answer, run_tool_round, transcript_text
+
+            sampled = run_tool_round(model, tokenizer, cfg, batch, toolbox, device, eos_ids,
+                                     samples=samples, max_tokens=max_new,
+                                     do_sample=samples > 1)  # fmt: skip
+            ro, episodes = sampled.rollout, sampled.episodes
+            texts = [final_answer(e) for e in episodes]
+        else:
+            ids, mask = encode_prompts(tokenizer, [r["prompt"] for r in batch], cfg, device)
+            ro = generate(
+                model, ids, mask,
+                num_generations=samples, max_completion_length=max_new,
+                eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id,
+                temperature=temperature, do_sample=samples > 1,
+                engine=cfg.model.generation_engine, top_k=top_k, top_p=top_p,
+            )  # fmt: skip
+            texts = tokenizer.batch_decode(ro.completion_ids, skip_special_tokens=True)
         judged = verdicts(texts, [r for r in batch for _ in range(samples)])
         for j, text in enumerate(texts):
             row = batch[j // samples]
@@ -89,6 +104,10 @@ def generate_for_rows(
                     **{k: row[k] for k in ("subject", "level", "generator") if k in row},
                 }
             )
+            if episodes is not None:  # the whole episode, for a person to read
+                ep = episodes[j]
+                records[-1] |= {"transcript": transcript_text(ep), "turns": ep.turns,
+                                "tool_calls": len(ep.calls), "ended_by": ep.ended_by}  # fmt: skip
         bar.update(len(batch))
     bar.close()
     return records

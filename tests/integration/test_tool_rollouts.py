@@ -65,7 +65,7 @@ def test_tool_tokens_get_no_gradient_and_count_in_no_normaliser(tmp_path):
 
 
 def test_the_engine_turn_is_batched_and_cut_to_each_budget(tmp_path):
-    from grpo.engine.episodes import turn_engine
+    from grpo.models.episodes import turn_engine
     from grpo.models.loading import eos_token_ids, load_model, load_tokenizer
 
     cfg = small_config(tmp_path, "grpo.temperature=1.0")
@@ -100,3 +100,16 @@ def test_two_steps_with_an_environment_class_train_and_log_the_tool_metrics(tmp_
     comp = [json.loads(x) for x in (tmp_path / "grpo" / "completions.jsonl").open()]
     assert comp and comp[0]["completion"].startswith("[assistant] ")  # a readable transcript
     assert out["final"]["step"] == 2
+    # evaluated as it was trained: greedy episodes with the same tools, graded on the last turn
+    from grpo.data.sets import eval_set
+    from grpo.eval.run import generate_for_rows
+    from grpo.models.loading import load_model, load_tokenizer
+
+    policy = tmp_path / "grpo" / "policy"
+    rows = eval_set("synthetic", cfg)[:4]
+    recs = generate_for_rows(load_model(policy, trainable=False), load_tokenizer(policy), rows,
+                             cfg, torch.device("cpu"), max_new_tokens=24)  # fmt: skip
+    assert sorted(r["id"] for r in recs) == sorted(r["id"] for r in rows)
+    for r in recs:
+        assert r["turns"] >= 1 and r["transcript"].startswith("[assistant] ")
+        assert r["ended_by"] in ("answer", "max_turns", "max_total_tokens")

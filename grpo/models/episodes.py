@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,15 +54,24 @@ def python_tool(sandbox: Sandbox) -> Tool:
     return make_tool(python)
 
 
+def hidden_paths(cfg: Config) -> tuple[str, ...]:
+    """What the python tool's code must not see: the project (its code and credentials), the
+    output directory (runs, checkpoints) and the working directory (the MLflow store)."""
+    project = Path(__file__).resolve().parents[2]
+    return tuple(dict.fromkeys(str(p) for p in (project, Path(cfg.output_dir).resolve(),
+                                                Path.cwd())))  # fmt: skip
+
+
 class Toolbox:
     """The configured tools: shared stateless ones, and an environment class built per episode.
 
     Args:
         cfg: the config (section tools).
-        hidden: directories the python tool's code must not see (the project, its runs).
+        hidden: directories the python tool's code must not see (default: hidden_paths).
     """
 
-    def __init__(self, cfg: Config, hidden: tuple[str, ...] = ()) -> None:
+    def __init__(self, cfg: Config, hidden: tuple[str, ...] | None = None) -> None:
+        hidden = hidden_paths(cfg) if hidden is None else hidden
         t = cfg.tools
         self.shared: dict[str, Tool] = {}
         self.isolation: tuple[str, ...] = ()
@@ -114,10 +124,11 @@ def episode_prompt(tok: Any, cfg: Config, problem: str, tools: dict[str, Tool]) 
 
 
 def turn_engine(
-    policy: torch.nn.Module, tok: Any, cfg: Config, device: torch.device, eos_ids: list[int]
-) -> GenerateTurn:
-    """One turn of every unfinished episode, batched: contexts left-padded, sampled at the
-    step's temperature/top-k/top-p by the configured engine, each row cut to its budget."""
+    policy: torch.nn.Module, tok: Any, cfg: Config, device: torch.device, eos_ids: list[int],
+    *, do_sample: bool = True,
+) -> GenerateTurn:  # fmt: skip
+    """One turn of every unfinished episode, batched: contexts left-padded, sampled at GRPO's
+    temperature/top-k/top-p (or greedy) by the configured engine, each row cut to its budget."""
     g = cfg.grpo
 
     def turn(contexts: list[list[int]], budgets: list[int]) -> list[TurnOutput]:
@@ -130,7 +141,8 @@ def turn_engine(
         ro = generate(policy, ids.to(device), mask.to(device), num_generations=1,
                       max_completion_length=max(budgets), eos_token_id=eos_ids,
                       pad_token_id=tok.pad_token_id, temperature=g.temperature, top_p=g.top_p,
-                      top_k=g.top_k, engine=cfg.model.generation_engine)  # fmt: skip
+                      top_k=g.top_k, do_sample=do_sample,
+                      engine=cfg.model.generation_engine)  # fmt: skip
         outs = []
         for i, budget in enumerate(budgets):
             n = int(ro.completion_mask[i].sum())
@@ -158,27 +170,39 @@ def transcript_text(ep: Episode) -> str:
     return "\n".join(f"[{m['role']}] {m['content']}" for m in ep.transcript)
 
 
+def final_answer(ep: Episode) -> str:
+    """The text graded as the episode's answer: its last model turn."""
+    turns = [m["content"] for m in ep.transcript if m["role"] == "assistant"]
+    return turns[-1] if turns else ""
+
+
 def run_tool_round(
     policy: torch.nn.Module, tok: Any, cfg: Config, rows: list[dict[str, Any]], toolbox: Toolbox,
-    device: torch.device, eos_ids: list[int],
+    device: torch.device, eos_ids: list[int], *, samples: int | None = None,
+    max_tokens: int | None = None, do_sample: bool = True,
 ) -> EpisodeBatch:  # fmt: skip
-    """G episodes for each row, run to their ends, as a Rollout (rows of a prompt contiguous)."""
+    """`samples` episodes (GRPO's G by default) for each row, run to their ends, as a Rollout
+    (rows of a prompt contiguous); `max_tokens` after each prompt (grpo.max_completion_length
+    by default); greedy turns with do_sample False (evaluation)."""
     g, t = cfg.grpo, cfg.tools
+    samples = samples or g.num_generations
+    budget = max_tokens or g.max_completion_length
     episodes = []
     for row in rows:
-        for _ in range(g.num_generations):
+        for _ in range(samples):
             tools, env, extra = toolbox.episode(row)
             problem = row["prompt"] + (("\n" + extra) if extra else "")
             text = episode_prompt(tok, cfg, problem, tools)
             ids = tok(text, add_special_tokens=False)["input_ids"]
             episodes.append(Episode(prompt_ids=ids, tools=tools, env=env))
     render = ToolTurns(tok, cfg.model.chat_template, t.max_tool_tokens)
-    limits = EpisodeLimits(max_turns=t.max_turns, max_total_tokens=g.max_completion_length,
+    limits = EpisodeLimits(max_turns=t.max_turns, max_total_tokens=budget,
                            max_tool_tokens=t.max_tool_tokens,
                            max_calls_per_turn=t.max_calls_per_turn)  # fmt: skip
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
-    run_episodes(episodes, turn_engine(policy, tok, cfg, device, eos_ids), decode, render, limits)
-    rollout = episodes_rollout(episodes, tok.pad_token_id, g.num_generations, device)
+    engine = turn_engine(policy, tok, cfg, device, eos_ids, do_sample=do_sample)
+    run_episodes(episodes, engine, decode, render, limits)
+    rollout = episodes_rollout(episodes, tok.pad_token_id, samples, device)
     if cfg.model.chat_template:
         completions: list[Any] = [list(ep.transcript) for ep in episodes]
     else:
