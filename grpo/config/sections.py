@@ -193,7 +193,11 @@ class SandboxConfig(Strict):
     memory_mb: int = Field(512, ge=64, description="address space")
     processes: int = Field(16, ge=1, description="processes (enforced as user nobody, root)")
     output_bytes: int = Field(8192, ge=256, description="stdout and stderr each")
-    require: list[Literal["no-network", "user-nobody", "process-limit", "hidden-paths"]] = Field(
+    require: list[
+        Literal[
+            "no-network", "user-nobody", "process-limit", "read-only-filesystem", "hidden-paths"
+        ]
+    ] = Field(
         default_factory=list,
         description="protections the machine must give or the run is refused (they need root)",
     )

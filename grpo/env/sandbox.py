@@ -12,8 +12,10 @@ run without the ones a config asks for):
 - no network: a new network namespace (`unshare --net`), in which nothing is reachable;
 - another user: the code runs as `nobody` (setpriv), with a process-count limit that then
   applies (root is exempt from it), so a 0600 credentials file is unreadable;
-- no view of the project: a new mount namespace in which the project directory and the other
-  `hidden` paths are covered by empty tmpfs mounts, so runs, stores and code are invisible.
+- no writes outside the working directory: a new mount namespace in which the filesystem is
+  read-only but for that directory (and /dev/shm is covered);
+- no view of the project: in the same namespace the project directory and the other `hidden`
+  paths are covered by empty tmpfs mounts, so runs, stores and code are invisible.
 
 The interpreter is the system's (`/usr/bin/python3` by default), not the project's
 environment: the code gets the standard library only, and `nobody` can run it.
@@ -78,7 +80,9 @@ def isolation(hidden: tuple[str, ...] = ()) -> tuple[str, ...]:
     the empty environment (which always hold)."""
     if not (_is_root() and shutil.which("unshare") and shutil.which("setpriv")):
         return ()
-    return ("no-network", "user-nobody", "process-limit") + (("hidden-paths",) if hidden else ())
+    return ("no-network", "user-nobody", "process-limit", "read-only-filesystem") + (
+        ("hidden-paths",) if hidden else ()
+    )
 
 
 class Sandbox:
@@ -111,16 +115,24 @@ class Sandbox:
             )
 
     def _command(self, script: Path) -> list[str]:
-        py = [self.python, "-I", "-S", str(script)]
+        py = [self.python, "-I", "-S", "-B", str(script)]
         if not self.isolation:
             return py
+        work = script.parent
         user = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
                 "--no-new-privs", "--"]  # fmt: skip
-        mounts = " && ".join(f"mount -t tmpfs -o size=1k,mode=000 none '{h}'" for h in self.hidden)
+        # the work directory its own writable mount, then every other file read-only (the
+        # root remounted so in this namespace only; /dev/shm covered), the hidden paths empty
+        mounts = [f"mount --bind '{work}' '{work}'", "mount -o remount,bind,ro /",
+                  "mount -t tmpfs -o size=1k,mode=555 none /dev/shm"]  # fmt: skip
+        mounts += [f"mount -t tmpfs -o size=1k,mode=000 none '{h}'" for h in self.hidden
+                   if not work.is_relative_to(h)]  # fmt: skip
+        mounts.append(f"cd '{work}'")  # into the writable mount, not the directory under it
+        mounts = " && ".join(mounts)
         inner = " ".join(f"'{w}'" for w in [*user, *py])
         # not exec'd: the shell turns a signal's death into 128 + N, which unshare passes on
         # (unshare re-raising the signal itself fails under these rlimits)
-        shell = f"{mounts} && {inner}; exit $?" if mounts else f"{inner}; exit $?"
+        shell = f"{mounts} && {inner}; exit $?"
         return ["unshare", "--net", "--mount", "--pid", "--fork", "--kill-child",
                 "--mount-proc", "sh", "-c", shell]  # fmt: skip
 

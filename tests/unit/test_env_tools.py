@@ -278,10 +278,10 @@ def sandbox():
 
 
 @pytest.mark.parametrize("attack,code,ended,says", [
-    ("a busy loop", "while True: pass", "cpu", "[stopped: cpu limit]"),
+    ("an infinite loop", "while True: pass", "cpu", "[stopped: cpu limit]"),
     ("sleeping past the wall clock", "import time; time.sleep(60)", "timeout", "timeout limit"),
-    ("a memory bomb", "x = bytearray(2 ** 31)", "memory", "MemoryError"),
-    ("an output flood", "print('x' * 10 ** 6)", "output", "output limit"),
+    ("a 10 GB allocation", "x = bytearray(10 * 2 ** 30)", "memory", "MemoryError"),
+    ("printing 100 MB", "print('x' * 10 ** 8)", "output", "output limit"),
     ("a normal call", "print(sum(range(10)))", "exit", "45"),
 ])  # fmt: skip
 def test_each_limit_stops_its_attack(sandbox, attack, code, ended, says):
@@ -298,19 +298,50 @@ def test_the_code_sees_an_empty_directory_and_environment(sandbox, monkeypatch):
 
 
 @ROOT_ONLY
-def test_no_network_no_project_no_fork_bomb_as_root(sandbox):
+def test_no_network_no_project_no_fork_bomb_as_root(sandbox, tmp_path):
+    import socket
+
     project = Path(__file__).resolve().parents[2]
-    assert set(sandbox.isolation) == {"no-network", "user-nobody", "process-limit", "hidden-paths"}
+    assert set(sandbox.isolation) == {"no-network", "user-nobody", "process-limit",
+                                      "read-only-filesystem", "hidden-paths"}  # fmt: skip
+    listener = socket.create_server(("127.0.0.1", 0))  # a port that listens on loopback
+    port = listener.getsockname()[1]
     net = sandbox.run(
-        dedent("""\
+        dedent(f"""\
         import socket
         try:
-            socket.create_connection(('127.0.0.1', 22), 1)
+            socket.create_connection(('127.0.0.1', {port}), 1)
             print('connected')
         except OSError as e:
             print(e.errno)""")
     )
+    listener.close()
     assert net.stdout.strip() == "101"  # ENETUNREACH: not even loopback exists
+    # a serve state directory's credentials (0600, root's): unreadable as nobody
+    state = tmp_path / ".grpo-serve"
+    state.mkdir()
+    secret = state / "credentials.json"
+    secret.write_text('{"mlflow_password": "s3cret"}')
+    secret.chmod(0o600)
+    read = sandbox.run(f"print(open({str(secret)!r}).read())")
+    assert "s3cret" not in read.text() and "PermissionError" in read.stderr
+    # writing anywhere but its own directory: the filesystem is read-only to it
+    escape = tmp_path / "escaped"
+    write = sandbox.run(
+        dedent(f"""\
+        open('mine.txt', 'w').write('ok')
+        for p in ({str(escape)!r}, '/tmp/grpo-escaped', '/dev/shm/grpo-escaped',
+                  {str(project / "escaped")!r}):
+            try:
+                open(p, 'w').write('x')
+                print('wrote', p)
+            except OSError as e:
+                print('refused', e.errno)
+        print(open('mine.txt').read())""")
+    )
+    assert "wrote" not in write.stdout and write.stdout.count("refused") == 4, write.text()
+    assert write.stdout.strip().endswith("ok")
+    assert not escape.exists() and not Path("/tmp/grpo-escaped").exists()
     peek = sandbox.run(f"import os\ntry:\n    print(os.listdir({str(project)!r}))\n"
                        "except OSError as e:\n    print('denied', e.errno)")  # fmt: skip
     assert peek.stdout.startswith("denied") and "README.md" not in peek.stdout
@@ -331,6 +362,27 @@ def test_no_network_no_project_no_fork_bomb_as_root(sandbox):
     assert int(forks.stdout) < 8
     who = sandbox.run("import os; print(os.getuid())")
     assert who.stdout.strip() == "65534"
+
+
+def test_attacks_through_the_python_tool_leave_the_episode_going(tok, sandbox):
+    """The model's own calls: each attack ends within its limit, its result goes back to the
+    model as the tool's answer, and the episode (the run) goes on to its next turn."""
+    from grpo.models.episodes import python_tool
+
+    python = python_tool(sandbox)
+    attacks = ["while True: pass", "import os\nwhile True: os.fork()", "print('x' * 10 ** 8)"]
+    call = '<tool_call>{"name": "python", "arguments": {"code": %s}}</tool_call>'
+    turns = [[[call % json.dumps(a)], ["done"]] for a in attacks]
+    generate, prompts, _ = _scripted(tok, turns)
+    eps = _episodes(tok, len(attacks))
+    for e in eps:
+        e.tools = {"python": python}
+    prompts += [e.prompt_ids for e in eps]
+    run_episodes(eps, generate, tok.decode, ToolTurns(tok, True, 64), EpisodeLimits())
+    assert [e.ended_by for e in eps] == ["answer"] * 3 and all(e.turns == 2 for e in eps)
+    results = [e.calls[0]["result"] for e in eps]
+    assert "[stopped: cpu limit]" in results[0] and "[stopped: output limit]" in results[2]
+    assert "[stopped:" in results[1] or "[exit code" in results[1]  # the fork bomb ended
 
 
 def test_a_machine_without_a_required_protection_is_refused(monkeypatch):
