@@ -200,11 +200,16 @@ def served_model_config(cfg: Config) -> dict[str, Any]:
     """How a logged policy is served: its prompt format and completion length."""
     from grpo.models.prompts import SYSTEM_PROMPT
 
-    return {
+    served = {
         "chat_template": cfg.model.chat_template,
         "system_prompt": cfg.model.system_prompt or SYSTEM_PROMPT,
         "max_new_tokens": cfg.eval.max_new_tokens or cfg.grpo.max_completion_length,
     }
+    if cfg.tools.active:  # what the policy was trained to call, with the tools' schemas
+        from grpo.models.episodes import tool_metadata
+
+        served["tools"] = tool_metadata(cfg)
+    return served
 
 
 @task(name="train-grpo", retries=1, retry_delay_seconds=5)

@@ -107,6 +107,11 @@ def switched_off_error(cfg: Config) -> str | None:
 def tools_error(cfg: Config) -> str | None:
     """What multi-turn rollouts with tools do not support yet, or what would go unused."""
     t, g = cfg.tools, cfg.grpo
+    if cfg.data.worked_solutions == "calculator" and "calculator" not in t.functions:
+        return "data.worked_solutions=calculator demonstrates a calculator call: add " \
+            "calculator to tools.functions"  # fmt: skip
+    if cfg.data.worked_solutions != "columns" and cfg.data.task != "synthetic":
+        return "data.worked_solutions is the synthetic task's; it would be ignored here"
     if "environment" in g.reward_funcs and not t.environment:
         return "grpo.reward_funcs names `environment` (the environment's get_reward), but " \
             "tools.environment is not set"  # fmt: skip

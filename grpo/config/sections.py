@@ -130,6 +130,12 @@ class DataConfig(Strict):
         "other set, on which GRPO's and the control's checkpoints are chosen (greedy accuracy, "
         "every grpo.eval_every / sft.eval_every steps); 0: no selection, the last step is kept",
     )  # fmt: skip
+    worked_solutions: Literal["columns", "calculator"] = Field(
+        "columns",
+        description="synthetic: how the SFT solutions work a sum: column by column in <think>, "
+        "or by calling the calculator tool and answering with its result (tools.functions "
+        "must hold calculator)",
+    )
     min_digits: int = Field(1, ge=1)
     max_digits: int = Field(3, ge=1)
     ood_digits: int = Field(4, ge=1, description="digits of the out-of-distribution set")

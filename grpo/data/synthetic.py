@@ -12,6 +12,7 @@ heldout (same digit range), heldout_ood (more digits: harder, never trained on) 
 
 from __future__ import annotations
 
+import json
 import random
 
 from grpo.config import DataConfig
@@ -31,6 +32,19 @@ def worked_solution(a: int, b: int) -> str:
     return f"<think>{' '.join(steps)}</think><answer>{a + b}</answer>"
 
 
+def calculator_solution(a: int, b: int) -> str:
+    """The same sum worked by calling the calculator tool (grpo.env), as one string whose
+    <tool_response> block is the tool's turn (grpo.env.render.demo_turns splits it).
+
+    >>> calculator_solution(47, 85)  # doctest: +NORMALIZE_WHITESPACE
+    '<tool_call>{"name": "calculator", "arguments": {"expression": "47+85"}}</tool_call>\
+<tool_response>132</tool_response><think>132</think><answer>132</answer>'
+    """
+    call = json.dumps({"name": "calculator", "arguments": {"expression": f"{a}+{b}"}})
+    return (f"<tool_call>{call}</tool_call><tool_response>{a + b}</tool_response>"
+            f"<think>{a + b}</think><answer>{a + b}</answer>")  # fmt: skip
+
+
 def _number(rng: random.Random, digits: int) -> int:
     return rng.randint(10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1)
 
@@ -40,6 +54,7 @@ def make_sets(cfg: DataConfig) -> dict[str, list[dict]]:
     rows. `solution` is the gold answer, as open-r1 and TRL's accuracy_reward read it."""
     rng = random.Random(cfg.seed)
     seen: set[tuple[int, int]] = set()
+    solve = calculator_solution if cfg.worked_solutions == "calculator" else worked_solution
 
     def draw(n: int, lo: int, hi: int, name: str) -> list[dict]:
         rows = []
@@ -55,7 +70,7 @@ def make_sets(cfg: DataConfig) -> dict[str, list[dict]]:
                     "prompt": f"{a}+{b}=",
                     "answer": str(a + b),
                     "solution": str(a + b),
-                    "worked_solution": worked_solution(a, b),
+                    "worked_solution": solve(a, b),
                     "digits": max(da, db),
                 }
             )

@@ -32,27 +32,34 @@ from grpo.models.prompts import render_prompt
 from grpo.progress import progress_bar
 
 
-def _encode(tokenizer: Any, rows: list[dict], cfg: Config) -> list[tuple[list[int], int]]:
-    """(prompt + solution + EOS token ids, prompt length) per row."""
+def _encode(tokenizer: Any, rows: list[dict], cfg: Config) -> list[tuple[list[int], list[int]]]:
+    """(prompt + solution + EOS token ids, 1 where the loss counts) per row: the solution's
+    tokens. With tools, a demonstration is laid out as an episode is (its tool responses
+    rendered by the chat format, out of the loss: grpo.models.episodes.encode_demos)."""
+    if cfg.tools.active:
+        from grpo.models.episodes import encode_demos
+
+        return encode_demos(tokenizer, rows, cfg)
     out = []
     for r in rows:
         p = tokenizer(render_prompt(tokenizer, r["prompt"], cfg), add_special_tokens=False)
         s = tokenizer(r["worked_solution"], add_special_tokens=False)
-        out.append(
-            (p["input_ids"] + s["input_ids"] + [tokenizer.eos_token_id], len(p["input_ids"]))
-        )
+        seq = p["input_ids"] + s["input_ids"] + [tokenizer.eos_token_id]
+        out.append((seq, [0] * len(p["input_ids"]) + [1] * (len(s["input_ids"]) + 1)))
     return out
 
 
-def _collate(items: list[tuple[list[int], int]], pad: int, device: torch.device) -> dict:
+def _collate(items: list[tuple[list[int], list[int]]], pad: int, device: torch.device) -> dict:
     width = max(len(ids) for ids, _ in items)
     ids = torch.full((len(items), width), pad, dtype=torch.long)
     labels = torch.full_like(ids, -100)
     mask = torch.zeros_like(ids)
-    for i, (seq, plen) in enumerate(items):
+    for i, (seq, trained) in enumerate(items):
         ids[i, : len(seq)] = torch.tensor(seq)
         mask[i, : len(seq)] = 1
-        labels[i, plen : len(seq)] = torch.tensor(seq[plen:])  # loss on the solution only
+        # the loss on the solution's tokens only (the model's turns of a demonstration)
+        labels[i, : len(seq)] = torch.where(torch.tensor(trained, dtype=torch.bool),
+                                            torch.tensor(seq), -100)  # fmt: skip
     return {
         "input_ids": ids.to(device),
         "attention_mask": mask.to(device),

@@ -16,6 +16,7 @@ Formats:
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from grpo.env.calls import template_has_tools
@@ -25,6 +26,30 @@ MARK = "\x00grpo-assistant-turn\x00"
 
 def response_block(content: str) -> str:
     return f"<tool_response>\n{content}\n</tool_response>"
+
+
+RESPONSE = re.compile(r"<tool_response>\n?(.*?)\n?</tool_response>", re.S)
+
+
+def demo_turns(text: str) -> list[tuple[str, str]]:
+    """A worked solution with tool use, written as one string, split into its turns:
+    the model's text, then each `<tool_response>...</tool_response>` block as a tool message,
+    then the model's next turn. `[("assistant", text)]` when it holds no response.
+
+    >>> demo_turns('<tool_call>{"name": "calculator"}</tool_call><tool_response>4'
+    ...            '</tool_response><answer>4</answer>')
+    [('assistant', '<tool_call>{"name": "calculator"}</tool_call>'), ('tool', '4'), \
+('assistant', '<answer>4</answer>')]
+    """
+    turns: list[tuple[str, str]] = []
+    pos = 0
+    for m in RESPONSE.finditer(text):
+        if text[pos : m.start()].strip():
+            turns.append(("assistant", text[pos : m.start()]))
+        turns.append(("tool", m.group(1)))
+        pos = m.end()
+    turns.append(("assistant", text[pos:]))
+    return turns
 
 
 class ToolTurns:

@@ -72,6 +72,12 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, float]:
         "mean_length": sum(r["length"] for r in records) / max(1, len(records)),
         "truncation_rate": sum(r["truncated"] for r in records) / max(1, len(records)),
     }
+    if records and "tool_calls" in records[0]:  # episodes with tools: how they used them
+        m = max(1, len(records))
+        out["tool_use_rate"] = sum(r["tool_calls"] > 0 for r in records) / m
+        out["tool_calls_mean"] = sum(r["tool_calls"] for r in records) / m
+        out["tool_errors_mean"] = sum(r["tool_errors"] for r in records) / m
+        out["turns_mean"] = sum(r["turns"] for r in records) / m
     if n > 1:
         out["mean_accuracy"] = sum(r["correct"] for r in records) / len(records)
         k = 1

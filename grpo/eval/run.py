@@ -107,7 +107,8 @@ def generate_for_rows(
             if episodes is not None:  # the whole episode, for a person to read
                 ep = episodes[j]
                 records[-1] |= {"transcript": transcript_text(ep), "turns": ep.turns,
-                                "tool_calls": len(ep.calls), "ended_by": ep.ended_by}  # fmt: skip
+                                "tool_calls": len(ep.calls), "tool_errors": ep.tool_errors,
+                                "ended_by": ep.ended_by}  # fmt: skip
         bar.update(len(batch))
     bar.close()
     return records

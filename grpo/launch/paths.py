@@ -116,6 +116,7 @@ def gguf_model_dir(spec: str, cache: Path) -> Path:
 # the code an SFT reference depends on: a change to any of them builds a new reference
 SFT_CODE = ("engine/sft.py", "data/synthetic.py", "data/files.py", "data/sets.py",
             "models/tiny.py", "models/prompts.py", "engine/deepspeed.json")  # fmt: skip
+SFT_TOOLS_CODE = ("models/episodes.py", "env/render.py", "env/calls.py", "env/tools.py")
 
 
 def reference_dir(cfg: Config) -> Path:
@@ -134,12 +135,14 @@ def reference_dir(cfg: Config) -> Path:
     after = {"num_train": 0, "num_select": 0} if cfg.data.task == "synthetic" else {}
     keyed = cfg.model_copy(update={"sft": cfg.sft.model_copy(update=control),
                                    "data": cfg.data.model_copy(update=after)})  # fmt: skip
-    h = hashlib.sha256(keyed.digest("model", "data", "sft", "seed").encode())
+    # with tools, SFT's prompts list them and its demonstrations are laid out as episodes
+    sections = ("model", "data", "sft", "seed") + (("tools",) if cfg.tools.active else ())
+    h = hashlib.sha256(keyed.digest(*sections).encode())
     for f in (cfg.data.train_path, cfg.data.sft_path):
         if f and Path(f).is_file():
             h.update(file_digest(Path(f)).encode())
     root = Path(__file__).resolve().parents[1]
-    for name in SFT_CODE:
+    for name in SFT_CODE + (SFT_TOOLS_CODE if cfg.tools.active else ()):
         h.update((root / name).read_bytes())
     return Path(cfg.output_dir) / "sft" / h.hexdigest()[:16]
 

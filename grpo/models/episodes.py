@@ -21,7 +21,7 @@ from grpo.config import Config
 from grpo.env.calculator import calculator
 from grpo.env.calls import template_has_tools, tool_instructions
 from grpo.env.episode import Episode, EpisodeLimits, GenerateTurn, TurnOutput, run_episodes
-from grpo.env.render import ToolTurns
+from grpo.env.render import ToolTurns, demo_turns
 from grpo.env.sandbox import Limits, Sandbox
 from grpo.env.tools import Tool, ToolSpecError, environment_tools, make_tool
 from grpo.models.generate import Rollout, generate
@@ -105,6 +105,19 @@ class Toolbox:
             raise ToolSetupError("a tool of tools.functions and a method of tools.environment "
                                  "have the same name")  # fmt: skip
         return tools, env, extra if isinstance(extra, str) else ""
+
+
+def tool_metadata(cfg: Config) -> dict[str, Any]:
+    """The tools a policy was trained with, for its registered model: the config's entries,
+    the limits, and each tool's JSON schema as the prompts showed it."""
+    box = Toolbox(cfg, hidden=())
+    schemas = [t.schema for t in box.shared.values()]
+    if box.env_cls is not None:
+        schemas += [t.schema for t in environment_tools(box.env_cls()).values()]
+    t = cfg.tools
+    return {"functions": list(t.functions), "environment": t.environment,
+            "max_turns": t.max_turns, "max_tool_tokens": t.max_tool_tokens,
+            "max_calls_per_turn": t.max_calls_per_turn, "schemas": schemas}  # fmt: skip
 
 
 def episode_prompt(tok: Any, cfg: Config, problem: str, tools: dict[str, Tool]) -> str:
@@ -269,4 +282,53 @@ def reduce_episode_metrics(tot: dict[str, float]) -> dict[str, float]:
            "tools/tool_tokens_mean": tot["tools/tool_tokens"] / n}  # fmt: skip
     out |= {k.replace("tools/ended_by/", "tools/ended_by_"): v / n
             for k, v in tot.items() if k.startswith("tools/ended_by/")}  # fmt: skip
+    return out
+
+
+class DemoError(ToolSpecError):
+    """A worked solution that cannot be laid out as an episode (the message names its row)."""
+
+
+def demo_ids(
+    tok: Any, prompt: str, worked_solution: str, render: ToolTurns
+) -> tuple[list[int], list[int]]:
+    """(ids, trained) of one demonstration, laid out as an episode is: the prompt, then each
+    model turn with its end-of-turn token (trained), and the tool responses between them as
+    the chat format renders them (not trained)."""
+    ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    trained = [0] * len(ids)
+    turns = demo_turns(worked_solution)
+    if turns[0][0] == "tool":
+        raise ValueError("it starts with a <tool_response>: no model turn calls for it")
+    i = 0
+    while i < len(turns):
+        if turns[i][0] == "assistant":
+            t = tok(turns[i][1], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            ids, trained, i = ids + t, trained + [1] * len(t), i + 1
+            continue
+        msgs = []
+        while i < len(turns) and turns[i][0] == "tool":
+            msgs.append({"role": "tool", "content": turns[i][1]})
+            i += 1
+        t = render(msgs)
+        ids, trained = ids + t, trained + [0] * len(t)
+    return ids, trained
+
+
+def encode_demos(
+    tok: Any, rows: list[dict[str, Any]], cfg: Config
+) -> list[tuple[list[int], list[int]]]:
+    """SFT's examples with tools: each row's prompt as an episode shows it (the tools listed),
+    its worked solution's turns as demo_ids lays them out."""
+    toolbox = Toolbox(cfg)
+    render = ToolTurns(tok, cfg.model.chat_template, cfg.tools.max_tool_tokens)
+    out = []
+    for r in rows:
+        tools, _env, extra = toolbox.episode(r)
+        problem = r["prompt"] + (("\n" + extra) if extra else "")
+        try:
+            out.append(demo_ids(tok, episode_prompt(tok, cfg, problem, tools),
+                                r["worked_solution"], render))  # fmt: skip
+        except ValueError as e:
+            raise DemoError(f"worked solution of row {r.get('id', '?')}: {e}") from e
     return out

@@ -191,7 +191,8 @@ def test_the_pipeline_runs_on_a_real_architecture(real_dir, tmp_path, monkeypatc
     holds prompts longer than grpo.max_prompt_length (512) in this tokenizer: validation lets
     them through (evaluation can hold 2048 - 12 tokens), as it must for the shipped Qwen2.5
     config. The model is named by its Hub id, from a Hugging Face cache, offline (a user's
-    `model.path: Qwen/Qwen2.5-0.5B-Instruct` once downloaded), in every stage and rank."""
+    `model.path: Qwen/Qwen2.5-0.5B-Instruct` once downloaded), in every stage and rank; with the
+    calculator tool, shown in the system prompt (its template has no tool use)."""
     from mlflow import MlflowClient
     from prefect.testing.utilities import prefect_test_harness
 
@@ -209,6 +210,7 @@ def test_the_pipeline_runs_on_a_real_architecture(real_dir, tmp_path, monkeypatc
         "grpo.checkpoint_every=2", "eval.sets=[gsm8k, math500]",
         "eval.limit=6", "eval.max_new_tokens=12", f"output_dir={tmp_path / 'runs'}",
         "tracking.registered_model=realistic-e2e", "tracking.promotion_metric=eval/gsm8k/accuracy",
+        "tools.functions=[calculator]",
     ]  # fmt: skip
     from grpo.config import load_config
     from grpo.data.sets import eval_set
@@ -238,4 +240,15 @@ def test_the_pipeline_runs_on_a_real_architecture(real_dir, tmp_path, monkeypatc
         assert parent.data.metrics[f"grpo/eval/{s}/left_out"] == 0.0
     mv = c.get_model_version_by_alias("realistic-e2e", "challenger")
     assert mv.run_id == grpo_run
+    # with a tool: episodes in training (their metrics), in evaluation (tool use per set), and
+    # the registered model records the tools it was trained with, schemas included
+    assert "tools/turns_mean" in c.get_run(grpo_run).data.metrics
+    assert "grpo/eval/gsm8k/tool_use_rate" in parent.data.metrics
+    import mlflow
+
+    with tracking_uri(uri):
+        info = mlflow.models.get_model_info(f"models:/realistic-e2e/{mv.version}")
+    served = info.flavors["python_function"]["config"]
+    assert served["tools"]["functions"] == ["calculator"]
+    assert served["tools"]["schemas"][0]["function"]["name"] == "calculator"
     assert c.get_run(grpo_run).data.params["model.path"] == "acme/realistic-qwen"

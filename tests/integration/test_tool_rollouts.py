@@ -113,3 +113,8 @@ def test_two_steps_with_an_environment_class_train_and_log_the_tool_metrics(tmp_
     for r in recs:
         assert r["turns"] >= 1 and r["transcript"].startswith("[assistant] ")
         assert r["ended_by"] in ("answer", "max_turns", "max_total_tokens")
+    from grpo.eval.metrics import summarize
+
+    s = summarize(recs)
+    assert s["turns_mean"] == sum(r["turns"] for r in recs) / 4
+    assert {"tool_use_rate", "tool_calls_mean", "tool_errors_mean"} <= set(s)

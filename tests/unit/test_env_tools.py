@@ -391,3 +391,28 @@ def test_a_machine_without_a_required_protection_is_refused(monkeypatch):
     monkeypatch.setattr(sb, "_is_root", lambda: False)
     with pytest.raises(ValueError, match="cannot give no-network"):
         sb.Sandbox(require=("no-network",))
+
+
+def test_a_demonstration_is_laid_out_as_the_episode_it_shows(tok):
+    """SFT on a worked solution with tool use sees the ids a rollout of the same turns gets: the
+    tool response rendered by the chat format and out of the loss, each model turn trained with
+    its end-of-turn token; and the synthetic task's calculator demonstration splits as such."""
+    from grpo.data.synthetic import calculator_solution
+    from grpo.env.render import demo_turns
+    from grpo.models.episodes import demo_ids
+
+    demo = calculator_solution(47, 85)
+    turns = demo_turns(demo)
+    assert [r for r, _ in turns] == ["assistant", "tool", "assistant"] and turns[1][1] == "132"
+    generate, prompts, _ = _scripted(tok, [[[turns[0][1]], [turns[2][1]]]])
+    eps = _episodes(tok, 1, tools=[calculator])
+    prompts += [e.prompt_ids for e in eps]
+    render = ToolTurns(tok, True, 64)
+    (ep,) = run_episodes(eps, generate, tok.decode, render, EpisodeLimits())
+    prompt = tok.decode(ep.prompt_ids)
+    ids, trained = demo_ids(tok, prompt, demo, render)
+    assert ids == ep.prompt_ids + ep.ids  # the same tokens, the tool's answer included
+    assert trained == [0] * len(ep.prompt_ids) + ep.model_mask
+    assert ep.calls[0]["result"] == "132"  # the demonstration's response is the tool's own
+    with pytest.raises(ValueError, match="starts with a <tool_response>"):
+        demo_ids(tok, prompt, "<tool_response>1</tool_response>x", render)
