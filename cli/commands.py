@@ -117,7 +117,21 @@ def cmd_evaluate(a: argparse.Namespace) -> None:
                model_dirs=(model, a.baseline), train=False, base=a.base)  # fmt: skip
     out = a.out or str(default_report_dir(cfg, model))
     samples = a.samples or cfg.eval.samples
-    if a.baseline:
+    if a.without_tools:
+        from reward_fns.errors import UserError
+
+        if a.baseline or not cfg.tools.active:
+            raise UserError(
+                "--without-tools compares a model with its configured tools (tools.*) against "
+                "itself without them; give tools, and no --baseline"
+            )
+        bare = cfg.model_copy(update={"tools": type(cfg.tools)()})
+        report, text = evaluate_against_baseline(
+            cfg, model, model, sets, out, samples=samples, limit=a.limit, base=a.base,
+            baseline_cfg=bare,
+        )  # fmt: skip
+        print(text.replace(f"{model} - {model}", f"{model}: with tools - without"))
+    elif a.baseline:
         report, text = evaluate_against_baseline(
             cfg, model, a.baseline, sets, out, samples=samples, limit=a.limit, base=a.base
         )

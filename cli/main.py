@@ -51,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--limit", type=int)
     e.add_argument("--out")
     e.add_argument("--baseline", help="second model evaluated on the same problems and samples")
+    e.add_argument(
+        "--without-tools", action="store_true",
+        help="with tools configured: the same model also without them, paired",
+    )  # fmt: skip
     pl = add("pipeline", commands.cmd_pipeline, "the whole Prefect pipeline")
     pl.add_argument("--no-control", action="store_true",
                     help="skip the SFT-continued control (GRPO is then compared with its "

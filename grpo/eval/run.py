@@ -287,6 +287,7 @@ def default_report_dir(cfg: Config, model: str | Path) -> Path:
 def evaluate_against_baseline(
     cfg: Config, model_dir: str, baseline_dir: str, sets: list[str], out_dir: str, *,
     samples: int = 1, limit: int | None = None, base: str | None = None,
+    baseline_cfg: Config | None = None,
 ) -> tuple[dict[str, Any], str]:  # fmt: skip
     """Evaluate a model and a baseline on the same problems and samples, paired.
 
@@ -297,14 +298,16 @@ def evaluate_against_baseline(
         sets: the evaluation sets.
         out_dir: where the combined report (report.json) is written.
         samples, limit, base: as evaluate_model.
+        baseline_cfg: the baseline's own config (default cfg): the same model without its
+            tools, for instance.
 
     Returns the model's report with the baseline's ("baseline") and the paired differences by
     set ("paired_vs_baseline": strict and lenient), and the lines that print them."""
     report = evaluate_model(cfg, model_dir, sets, out_dir, samples=samples, limit=limit,
                             base=base)  # fmt: skip
     base_out = f"{out_dir}_baseline"
-    base_report = evaluate_model(cfg, baseline_dir, sets, base_out, samples=samples, limit=limit,
-                                 base=base)  # fmt: skip
+    base_report = evaluate_model(baseline_cfg or cfg, baseline_dir, sets, base_out,
+                                 samples=samples, limit=limit, base=base)  # fmt: skip
     mine = [json.loads(x) for x in Path(out_dir, "samples.jsonl").open()]
     theirs = [json.loads(x) for x in Path(base_out, "samples.jsonl").open()]
     lines = [

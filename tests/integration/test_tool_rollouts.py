@@ -118,3 +118,14 @@ def test_two_steps_with_an_environment_class_train_and_log_the_tool_metrics(tmp_
     s = summarize(recs)
     assert s["turns_mean"] == sum(r["turns"] for r in recs) / 4
     assert {"tool_use_rate", "tool_calls_mean", "tool_errors_mean"} <= set(s)
+    # the same model without its tools, on the same problems, paired (grpo evaluate
+    # --without-tools)
+    from grpo.eval.run import evaluate_against_baseline
+
+    bare = cfg.model_copy(update={"tools": type(cfg.tools)()})
+    out_dir = tmp_path / "with-without"
+    report, text = evaluate_against_baseline(cfg, str(policy), str(policy), ["synthetic"],
+                                             str(out_dir), limit=4, baseline_cfg=bare)  # fmt: skip
+    assert report["paired_vs_baseline"]["synthetic"]["strict"]["n"] == 4
+    assert "tool_use_rate" in report["sets"]["synthetic"]
+    assert "tool_use_rate" not in report["baseline"]["sets"]["synthetic"]
