@@ -35,6 +35,13 @@ class PolicyModel(mlflow.pyfunc.PythonModel):
             self.tok.pad_token = self.tok.eos_token
         self.model = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True)
         self.model.eval()
+        self.tools = None
+        if "tools" in self.config:  # trained with tools: answer in episodes that run them
+            from grpo.config import Config
+            from grpo.models.episodes import Toolbox
+
+            cfg = Config.model_validate(self.config["run_config"])
+            self.tools = (cfg, Toolbox(cfg))
 
     def predict(self, context: Any, model_input: Any, params: dict | None = None) -> list[str]:
         import torch
@@ -45,6 +52,8 @@ class PolicyModel(mlflow.pyfunc.PythonModel):
         else:
             prompts = [str(p) for p in model_input]
         max_new = int((params or {}).get("max_new_tokens", self.config["max_new_tokens"]))
+        if self.tools is not None:
+            return self._episodes(prompts, max_new)
         texts = [self._render(p) for p in prompts]
         enc = self.tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.no_grad():
@@ -53,6 +62,22 @@ class PolicyModel(mlflow.pyfunc.PythonModel):
             )
         width = enc["input_ids"].shape[1]
         return [self.tok.decode(o[width:], skip_special_tokens=True) for o in out]
+
+    def _episodes(self, prompts: list[str], max_new: int) -> list[str]:
+        """Greedy episodes with the tools the policy was trained with; each answer is the
+        episode's last model turn (its calls and their results run in between)."""
+        import torch
+
+        from grpo.models.episodes import final_answer, run_tool_round
+        from grpo.models.loading import eos_token_ids
+
+        cfg, toolbox = self.tools
+        rows = [{"id": str(i), "prompt": p} for i, p in enumerate(prompts)]
+        with torch.no_grad():
+            batch = run_tool_round(self.model, self.tok, cfg, rows, toolbox, torch.device("cpu"),
+                                   eos_token_ids(self.tok, self.model), samples=1,
+                                   max_tokens=max_new, do_sample=False)  # fmt: skip
+        return [final_answer(e) for e in batch.episodes]
 
     def _render(self, problem: str) -> str:
         if not self.config.get("chat_template"):

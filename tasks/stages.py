@@ -205,10 +205,12 @@ def served_model_config(cfg: Config) -> dict[str, Any]:
         "system_prompt": cfg.model.system_prompt or SYSTEM_PROMPT,
         "max_new_tokens": cfg.eval.max_new_tokens or cfg.grpo.max_completion_length,
     }
-    if cfg.tools.active:  # what the policy was trained to call, with the tools' schemas
+    if cfg.tools.active:  # what the policy was trained to call, with the tools' schemas,
+        # and the config that lays out its episodes when it is served
         from grpo.models.episodes import tool_metadata
 
         served["tools"] = tool_metadata(cfg)
+        served["run_config"] = cfg.model_dump(mode="json")
     return served
 
 

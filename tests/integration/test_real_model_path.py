@@ -251,4 +251,12 @@ def test_the_pipeline_runs_on_a_real_architecture(real_dir, tmp_path, monkeypatc
     served = info.flavors["python_function"]["config"]
     assert served["tools"]["functions"] == ["calculator"]
     assert served["tools"]["schemas"][0]["function"]["name"] == "calculator"
+    # served, it answers in episodes with the calculator available (greedy; the answer is the
+    # last model turn)
+    with tracking_uri(uri):
+        served_model = mlflow.pyfunc.load_model(f"models:/realistic-e2e/{mv.version}")
+    answers = served_model.predict(["What is 6 times 7?", "Add 2 and 3."],
+                                   params={"max_new_tokens": 8})  # fmt: skip
+    assert len(answers) == 2 and all(isinstance(x, str) for x in answers)
+    assert served_model.unwrap_python_model().tools is not None
     assert c.get_run(grpo_run).data.params["model.path"] == "acme/realistic-qwen"
