@@ -41,7 +41,9 @@ def _frame(
 
     # a reasoning-gym entry is a nested dict: its generator checks answers, not math-verify
     df = pd.DataFrame([{k: v for k, v in r.items() if k != "rg_entry"} for r in rows])
-    if "prompt" in df:
+    if "prompt" in df and cfg.tools.active:
+        df["prompt_tokens"], df["episode_starts"] = _episode_prompts(rows, tok, cfg)
+    elif "prompt" in df:
         df["prompt_tokens"] = prompt_token_counts(tok, cfg, [str(p) for p in df["prompt"]])
     if "answer" in df:
         df["answer_parses"] = [
@@ -51,6 +53,28 @@ def _frame(
     if train_prompts is not None and "prompt" in df:
         df["in_training_data"] = [normalise(p) in train_prompts for p in df["prompt"]]
     return df
+
+
+def _episode_prompts(rows: list[dict[str, Any]], tok: Any, cfg: Config) -> tuple[list, list]:
+    """With tools: each row's prompt as its episode starts (the tools listed, the environment's
+    reset text added), in tokens, and whether the environment could start from the row."""
+    from grpo.models.episodes import Toolbox, episode_prompt
+
+    box = Toolbox(cfg, hidden=())
+    counts, starts = [], []
+    for r in rows:
+        try:
+            tools, _env, extra = box.episode(r)
+        except Exception as e:  # noqa: BLE001 - a user's environment failing on a row is a row's finding
+            print(f"validation: the environment cannot start from row {r.get('id')}: "
+                  f"{type(e).__name__}: {e}")  # fmt: skip
+            counts.append(1)
+            starts.append(False)
+            continue
+        text = episode_prompt(tok, cfg, r["prompt"] + (("\n" + extra) if extra else ""), tools)
+        counts.append(len(tok(text, add_special_tokens=False)["input_ids"]))
+        starts.append(True)
+    return counts, starts
 
 
 def _suite(
@@ -85,6 +109,10 @@ def _suite(
     if kind == "sft":
         suite.add_expectation(gxe.ExpectColumnToExist(column="worked_solution"))
         suite.add_expectation(gxe.ExpectColumnValuesToNotBeNull(column="worked_solution"))
+    if "episode_starts" in df:  # with tools: the environment starts from every row
+        suite.add_expectation(
+            gxe.ExpectColumnValuesToBeInSet(column="episode_starts", value_set=[True])
+        )
     if kind == "heldout":
         # contamination: a held-out prompt seen in training makes accuracy meaningless
         suite.add_expectation(

@@ -21,3 +21,12 @@ class Counter:
 
     def get_reward(self) -> float:
         return 1.0 if self.value == self.target else 0.1 * self.calls
+
+
+class Picky(Counter):
+    """An environment that cannot start from some rows (a task it was not written for)."""
+
+    def reset(self, **row):
+        if row["answer"].endswith("7"):
+            raise KeyError("no level for this row")
+        return super().reset(**row)

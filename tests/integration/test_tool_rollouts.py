@@ -129,3 +129,21 @@ def test_two_steps_with_an_environment_class_train_and_log_the_tool_metrics(tmp_
     assert report["paired_vs_baseline"]["synthetic"]["strict"]["n"] == 4
     assert "tool_use_rate" in report["sets"]["synthetic"]
     assert "tool_use_rate" not in report["baseline"]["sets"]["synthetic"]
+
+
+def test_validation_checks_the_episodes_prompts_and_that_the_environment_starts(tmp_path):
+    from tasks.validation import DataValidationError, validate_datasets
+
+    over = ("grpo.reward_funcs=[environment]", "grpo.reward_weights=[1.0]",
+            "model.tiny.max_position_embeddings=1024")  # fmt: skip
+    good = small_config(tmp_path, "tools.environment=tests.tool_envs:Counter", *over)
+    results = validate_datasets(good, tmp_path / "docs")
+    assert all(r["success"] for r in results.values())
+    # the prompt GRPO sees lists the tools (a max_prompt_length below it fails), and an
+    # environment that cannot start from a row fails it
+    picky = small_config(tmp_path, "tools.environment=tests.tool_envs:Picky",
+                         "grpo.max_prompt_length=64", *over)  # fmt: skip
+    with pytest.raises(DataValidationError) as e:
+        validate_datasets(picky, tmp_path / "docs2")
+    assert "train: " in str(e.value) and "(prompt_tokens) failed" in str(e.value)
+    assert "(episode_starts) failed" in str(e.value)
