@@ -188,9 +188,9 @@ def test_a_hub_id_not_in_the_cache_is_one_line_naming_the_way_to_get_it(tmp_path
 def test_the_pipeline_runs_on_a_real_architecture(real_dir, tmp_path, monkeypatch):
     """sft.enabled false, GSM8K prompts in the chat template, accuracy + format rewards, a few
     GRPO steps, evaluation on GSM8K and MATH-500 subsets; registered like the toy. MATH-500
-    holds prompts longer than grpo.max_prompt_length (512) in this tokenizer: validation lets
-    them through (evaluation can hold 2048 - 12 tokens), as it must for the shipped Qwen2.5
-    config. The model is named by its Hub id, from a Hugging Face cache, offline (a user's
+    holds prompts longer than grpo.max_prompt_length (768 here: the training prompts list the
+    tool, up to 702 tokens) in this tokenizer: validation lets them through (evaluation can hold
+    2048 - 12 tokens), as it must for the shipped Qwen2.5 config. The model is named by its Hub id, from a Hugging Face cache, offline (a user's
     `model.path: Qwen/Qwen2.5-0.5B-Instruct` once downloaded), in every stage and rank; with the
     calculator tool, shown in the system prompt (its template has no tool use)."""
     from mlflow import MlflowClient
@@ -210,7 +210,7 @@ def test_the_pipeline_runs_on_a_real_architecture(real_dir, tmp_path, monkeypatc
         "grpo.checkpoint_every=2", "eval.sets=[gsm8k, math500]",
         "eval.limit=6", "eval.max_new_tokens=12", f"output_dir={tmp_path / 'runs'}",
         "tracking.registered_model=realistic-e2e", "tracking.promotion_metric=eval/gsm8k/accuracy",
-        "tools.functions=[calculator]",
+        "tools.functions=[calculator]", "grpo.max_prompt_length=768",
     ]  # fmt: skip
     from grpo.config import load_config
     from grpo.data.sets import eval_set
@@ -219,7 +219,7 @@ def test_the_pipeline_runs_on_a_real_architecture(real_dir, tmp_path, monkeypatc
 
     cfg = load_config(ROOT / "configs/tiny.yaml", overrides)
     math500 = [r["prompt"] for r in eval_set("math500", cfg)]
-    assert max(prompt_token_counts(load_tokenizer(real_dir), cfg, math500)) > 512
+    assert max(prompt_token_counts(load_tokenizer(real_dir), cfg, math500)) > 768
     with tracking_uri(uri), prefect_test_harness(server_startup_timeout=120):
         result = grpo_pipeline(
             PipelineParams(config=str(ROOT / "configs/tiny.yaml"), overrides=overrides)
