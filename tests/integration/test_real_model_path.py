@@ -190,9 +190,10 @@ def test_the_pipeline_runs_on_a_real_architecture(real_dir, tmp_path, monkeypatc
     GRPO steps, evaluation on GSM8K and MATH-500 subsets; registered like the toy. MATH-500
     holds prompts longer than grpo.max_prompt_length (768 here: the training prompts list the
     tool, up to 702 tokens) in this tokenizer: validation lets them through (evaluation can hold
-    2048 - 12 tokens), as it must for the shipped Qwen2.5 config. The model is named by its Hub id, from a Hugging Face cache, offline (a user's
-    `model.path: Qwen/Qwen2.5-0.5B-Instruct` once downloaded), in every stage and rank; with the
-    calculator tool, shown in the system prompt (its template has no tool use)."""
+    2048 - 12 tokens), as it must for the shipped Qwen2.5 config. The model is named by its Hub
+    id, from a Hugging Face cache, offline (a user's `model.path: Qwen/Qwen2.5-0.5B-Instruct`
+    once downloaded), in every stage and rank; with the calculator tool, shown in the system
+    prompt (its template has no tool use)."""
     from mlflow import MlflowClient
     from prefect.testing.utilities import prefect_test_harness
 
