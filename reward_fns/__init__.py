@@ -32,7 +32,12 @@ from reward_fns.accuracy import accuracy, extract_answer, gold_parses, is_correc
 from reward_fns.environment import environment_reward
 from reward_fns.format import format_reward, soft_overlong_penalty
 from reward_fns.process import arithmetic_steps, column_steps
-from reward_fns.reasoning_gym import lenient_entry, reasoning_gym_reward, score_entry
+from reward_fns.reasoning_gym import (
+    lenient_entry,
+    reasoning_gym_exact_reward,
+    reasoning_gym_reward,
+    score_entry,
+)
 from reward_fns.registry import PROCESS_REWARDS, REWARD_FUNCS
 from reward_fns.scoring import RewardFunctionError, resolve, score, with_time_limit
 from reward_fns.verdict import verdicts
@@ -50,6 +55,7 @@ __all__ = [
     "gold_parses",
     "is_correct",
     "lenient_entry",
+    "reasoning_gym_exact_reward",
     "reasoning_gym_reward",
     "score_entry",
     "resolve",

@@ -7,6 +7,12 @@ entry (the row's `rg_entry` column): 1.0 for its answer, partial credit where th
 gives it (the default checker: len(answer) / len(text) when the answer is inside a longer
 text), 0 otherwise. Correct, for evaluation and rejection sampling, is a score of 1.0.
 
+Two rewards: `reasoning_gym` is the checker's score as the library gives it, partial credit
+included; `reasoning_gym_exact` is 1.0 where the checker says correct and 0 otherwise, the
+verdict evaluation and rejection sampling use. Partial credit can be gamed: the default
+checker pays 0.5 for "55" against the answer 5, so a group-relative advantage ranks a padded
+answer above a wrong one, and a policy learns to pad.
+
 The completion is never evaluated: checkers compare strings or parse numbers (sympy for the
 algebra generators), as their library writes them.
 """
@@ -61,3 +67,13 @@ def reasoning_gym_reward(
         None if entry is None else score_entry(completion_text(c), entry)
         for c, entry in zip(completions, rg_entry, strict=True)
     ]
+
+
+@reward_function("reasoning_gym_exact")
+def reasoning_gym_exact_reward(
+    completions: Sequence[Any], rg_entry: Sequence[dict[str, Any] | None], **kwargs: Any
+) -> list[float | None]:
+    """1.0 where the row's generator scores the completion 1.0 (correct), else 0.0: no partial
+    credit (None for a row with no reasoning-gym entry)."""
+    scores = reasoning_gym_reward(completions, rg_entry)
+    return [None if s is None else float(s == 1.0) for s in scores]

@@ -324,8 +324,9 @@ class EvalConfig(Strict):
     )  # fmt: skip
     pass_k_limit: int | None = Field(
         None, gt=0,
-        description="sampled pass@k on the first this many problems of the first set (k samples "
-        "cost k greedy evaluations); None: all of them. Greedy accuracy keeps every problem",
+        description="sampled pass@k on this many problems of the first set, drawn at random "
+        "with the run's seed (k samples cost k greedy evaluations); None: all of them. Greedy "
+        "accuracy keeps every problem",
     )  # fmt: skip
     temperature: float = Field(1.0, gt=0)
     limit: int | None = Field(None, gt=0)

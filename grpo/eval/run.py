@@ -6,6 +6,7 @@ The metrics themselves are pure functions in grpo.eval.metrics.
 from __future__ import annotations
 
 import json
+import random
 import sys
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,23 @@ def generate_for_rows(
     return records
 
 
+def pass_k_rows(rows: list[dict[str, Any]], limit: int | None, seed: int) -> list[dict[str, Any]]:
+    """The problems sampled pass@k is measured on: `limit` of them drawn at random with `seed`,
+    in the set's order (all of them for None). Drawn, not the first ones: a set built generator
+    by generator (rg:mix) would otherwise be measured on its first generator alone.
+
+    >>> rows = [{"id": i} for i in range(10)]
+    >>> [r["id"] for r in pass_k_rows(rows, 4, 0)] == [r["id"] for r in pass_k_rows(rows, 4, 0)]
+    True
+    >>> len(pass_k_rows(rows, 4, 0)), len(pass_k_rows(rows, None, 0)), len(pass_k_rows(rows, 99, 0))
+    (4, 10, 10)
+    """
+    if limit is None or limit >= len(rows):
+        return list(rows)
+    picked = sorted(random.Random(seed).sample(range(len(rows)), limit))
+    return [rows[i] for i in picked]
+
+
 def evaluate_model(
     cfg: Config,
     model_dir: str,
@@ -140,7 +158,8 @@ def evaluate_model(
         progress: show a progress bar.
         base: the base model of a LoRA adapter.
         pass_k: sampled completions per problem at grpo.temperature beside the greedy one, for
-            sampled_pass@k and sampled_maj@k on the first set's first eval.pass_k_limit problems
+            sampled_pass@k and sampled_maj@k on eval.pass_k_limit problems of the first set
+            drawn by pass_k_rows
             (default: eval.pass_k; their records go to samples_sampled.jsonl).
         bar_label: the progress bar's name.
     """
@@ -179,7 +198,8 @@ def evaluate_model(
         k = cfg.eval.pass_k if pass_k is None else pass_k
         if k and samples == 1 and name == sets[0]:  # k samples cost k greedy evaluations
             sampled = generate_for_rows(
-                model, tok, rows[: cfg.eval.pass_k_limit], cfg, device, samples=k,
+                model, tok, pass_k_rows(rows, cfg.eval.pass_k_limit, cfg.seed), cfg, device,
+                samples=k,
                 temperature=cfg.grpo.temperature, batch_size=cfg.eval.batch_size,
                 max_new_tokens=cfg.eval.max_new_tokens, seed=cfg.seed + 1, progress=progress,
                 bar_label=f"{bar_label} (pass@{k})",

@@ -1137,7 +1137,8 @@ def test_a_reasoning_gym_mix_through_the_pipeline(store):
         tmp, "data.task=reasoning_gym", f"data.generators={gens}", "data.num_train=40",
         "data.num_sft=24", "data.num_sft_val=8", "data.num_heldout=10", "data.num_select=0",
         "grpo.eval_every=0", "grpo.steps=1", "grpo.max_prompt_length=160",
-        "grpo.reward_funcs=[reasoning_gym, format]", "eval.sets=[rg:mix, rg:lcm, rg:reworded:mix]",
+        "grpo.reward_funcs=[reasoning_gym_exact, format]",
+        "eval.sets=[rg:mix, rg:lcm, rg:reworded:mix]",
         "tracking.promotion_metric=eval/rg_mix/accuracy", "tracking.registered_model=rg-e2e",
         "rft.enabled=true", "rft.rounds=1", "model.tiny.max_position_embeddings=512",
     )  # fmt: skip

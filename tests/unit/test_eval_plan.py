@@ -24,3 +24,15 @@ def test_a_sampled_model_never_copies_an_evaluation_without_pass_k():
         "grpo": None, "sft_continued": "grpo"}  # fmt: skip
     # nothing shared: every model evaluated, none copied
     assert set(plan_evaluations({"a": "1", "b": "2"}, ()).values()) == {None}
+
+
+def test_sampled_pass_k_draws_from_every_part_of_a_set_built_generator_by_generator():
+    from grpo.eval.run import pass_k_rows
+
+    rows = [{"id": f"{g}-{i}", "generator": g} for g in ("a", "b", "c", "d") for i in range(50)]
+    picked = pass_k_rows(rows, 40, seed=0)
+    assert len(picked) == 40 and len({r["id"] for r in picked}) == 40
+    assert {r["generator"] for r in picked} == {"a", "b", "c", "d"}  # the first 40 are all "a"
+    assert [rows.index(r) for r in picked] == sorted(rows.index(r) for r in picked)  # set order
+    assert picked == pass_k_rows(rows, 40, seed=0)  # the same problems for every model
+    assert picked != pass_k_rows(rows, 40, seed=1)

@@ -11,7 +11,7 @@ pytest.importorskip("reasoning_gym", reason="the real extra (make install-real)"
 from grpo.config import ConfigError, load_config  # noqa: E402
 from grpo.data import reasoning_gym as rgd  # noqa: E402
 from grpo.data.files import DataError  # noqa: E402
-from reward_fns import reasoning_gym_reward, verdicts  # noqa: E402
+from reward_fns import reasoning_gym_exact_reward, reasoning_gym_reward, verdicts  # noqa: E402
 
 MIX = ["data.task=reasoning_gym",
        "data.generators=[{name: chain_sum, config: {max_terms: 3}}, {name: gcd, weight: 2}]",
@@ -75,6 +75,14 @@ def test_the_generators_checker_is_a_reward_on_the_extracted_answer():
     got = reasoning_gym_reward(completions=completions, rg_entry=[row["rg_entry"]] * 6)
     partial = len(gold) / len(f"it is {gold}")
     assert got == pytest.approx([1.0, 1.0, 1.0, 0.0, partial, 0.0])
+    # the exact reward keeps only the checker's full marks: no credit for a padded answer
+    exact = reasoning_gym_exact_reward(completions=completions, rg_entry=[row["rg_entry"]] * 6)
+    assert exact == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+    padded = [f"<answer>{gold}{gold[-1]}</answer>"]
+    assert reasoning_gym_reward(completions=padded, rg_entry=[row["rg_entry"]]) == [
+        pytest.approx(len(gold) / (len(gold) + 1))]  # fmt: skip
+    assert reasoning_gym_exact_reward(completions=padded, rg_entry=[row["rg_entry"]]) == [0.0]
+    assert reasoning_gym_exact_reward(completions=["x"], rg_entry=[None]) == [None]
     # chat-format completions, and a row of another source (None: not applicable)
     chat = [[{"role": "assistant", "content": f"<answer>{gold}</answer>"}], "x"]
     assert reasoning_gym_reward(completions=chat, rg_entry=[row["rg_entry"], None]) == [1.0, None]
