@@ -224,6 +224,12 @@ class ToolsConfig(Strict):
         "public methods the tools, reset(**row) before it, get_reward() scoring it (reward "
         "function `environment`)",
     )
+    list_in_prompt: bool = Field(
+        True,
+        description="show the tools and the call format in every prompt (the chat template's "
+        "tools=, or the system prompt); false: the model learns them from its SFT "
+        "demonstrations alone, for a small model whose context the listing would fill",
+    )  # fmt: skip
     max_turns: int = Field(4, ge=1, description="model turns an episode may take")
     max_tool_tokens: int = Field(256, ge=8, description="tokens of one tool response, cut after")
     max_calls_per_turn: int = Field(4, ge=1, description="calls run per turn; more are errors")

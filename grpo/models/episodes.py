@@ -25,7 +25,7 @@ from grpo.env.render import ToolTurns, demo_turns
 from grpo.env.sandbox import Limits, Sandbox
 from grpo.env.tools import Tool, ToolSpecError, environment_tools, make_tool
 from grpo.models.generate import Rollout, generate
-from grpo.models.prompts import SYSTEM_PROMPT
+from grpo.models.prompts import SYSTEM_PROMPT, render_prompt
 
 
 class ToolSetupError(ToolSpecError):
@@ -122,7 +122,9 @@ def tool_metadata(cfg: Config) -> dict[str, Any]:
 
 def episode_prompt(tok: Any, cfg: Config, problem: str, tools: dict[str, Tool]) -> str:
     """The prompt text of an episode, the tools shown in the model's own format when it has
-    one."""
+    one (the task's own prompt when tools.list_in_prompt is false)."""
+    if not cfg.tools.list_in_prompt:
+        return render_prompt(tok, problem, cfg)
     schemas = [t.schema for t in tools.values()]
     if not cfg.model.chat_template:
         return tool_instructions(schemas) + "\n\n" + problem

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -1171,7 +1172,7 @@ def test_a_reasoning_gym_mix_through_the_pipeline(store):
     # GRPO's reward came from the generators' checkers
     rows = [json.loads(x) for x in (tmp / "runs" / "tiny" / parent.info.run_id / "grpo" /
                                     "metrics.jsonl").open()]  # fmt: skip
-    assert "rewards/reasoning_gym/mean" in rows[-1]
+    assert "rewards/reasoning_gym_exact/mean" in rows[-1]
     # the mix per generator and overall; the never-trained generator on its own
     report = json.loads((tmp / "runs" / "tiny" / parent.info.run_id / "eval" / "grpo" /
                          "report.json").read_text())  # fmt: skip
@@ -1186,3 +1187,48 @@ def test_a_reasoning_gym_mix_through_the_pipeline(store):
     assert set(worded["by_generator"]) == {"chain_sum", "gcd"} and worded["num_problems"] == 20
     pm = parent.data.metrics
     assert "grpo/eval/rg_mix/diff_vs_rft" in pm and "rft/eval/rg_lcm/accuracy" in pm
+
+
+def test_two_turn_episodes_with_a_tool_through_the_pipeline(store):
+    """The tiny model learns the calculator's call from 64 demonstrations (the listing left out
+    of its prompts: it would fill the character model's context), then GRPO, evaluation and
+    the registry run on episodes of two turns: call, tool response, answer."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    from flows.pipeline import PipelineParams, grpo_pipeline
+
+    tmp, uri = store
+    over = _overrides(
+        tmp, "model.tiny.hidden_size=64", "model.tiny.intermediate_size=128",
+        "data.worked_solutions=calculator", "tools.functions=[calculator]",
+        "tools.list_in_prompt=false", "sft.max_epochs=60", "sft.lr=1e-2", "sft.eval_every=20",
+        "grpo.max_completion_length=160", "grpo.steps=2", "grpo.eval_every=0",
+        "data.num_heldout=8", "data.num_heldout_ood=4", "tracking.registered_model=tools-e2e",
+    )  # fmt: skip
+    result = grpo_pipeline(PipelineParams(config=CONFIG, overrides=over, control=False))
+    c = MlflowClient(uri, uri)
+    parent = c.get_run(result["parent_run_id"])
+    assert parent.info.status == "FINISHED"
+    kids = by_stage(c.search_runs([parent.info.experiment_id],
+                                  f"tags.mlflow.parentRunId = '{parent.info.run_id}'"))  # fmt: skip
+    grpo_run = kids["grpo"].info.run_id
+    # at every step, sampled episodes called the tool and went on after its response (some
+    # sampled calls run past the token limit and end there)
+    calls = [m.value for m in c.get_metric_history(grpo_run, "tools/calls_mean")]
+    turns = [m.value for m in c.get_metric_history(grpo_run, "tools/turns_mean")]
+    assert len(calls) == 2 and min(calls) > 0.5 and min(turns) > 1.0
+    logged = tmp / "runs" / "tiny" / parent.info.run_id / "grpo" / "completions.jsonl"
+    texts = [json.dumps(json.loads(x)) for x in logged.open()]
+    # readable transcripts: the call, the tool's response, the model's answer after it
+    assert any(re.search(r"<tool_call>.*\[tool\] .*\[assistant\] ", t) for t in texts)
+    # evaluation answered in episodes with the tool, per set
+    assert parent.data.metrics["grpo/eval/synthetic/tool_use_rate"] > 0.5
+    # the registered model records its tools and how its prompts were laid out
+    mv = c.get_model_version_by_alias("tools-e2e", "challenger")
+    assert mv.run_id == grpo_run
+    with tracking_uri(uri):
+        served = mlflow.models.get_model_info(f"models:/tools-e2e/{mv.version}").flavors[
+            "python_function"]["config"]  # fmt: skip
+    assert served["tools"]["functions"] == ["calculator"]
+    assert served["run_config"]["tools"]["list_in_prompt"] is False

@@ -416,3 +416,22 @@ def test_a_demonstration_is_laid_out_as_the_episode_it_shows(tok):
     assert ep.calls[0]["result"] == "132"  # the demonstration's response is the tool's own
     with pytest.raises(ValueError, match="starts with a <tool_response>"):
         demo_ids(tok, prompt, "<tool_response>1</tool_response>x", render)
+
+
+def test_the_tools_are_in_the_prompt_unless_the_config_leaves_them_to_the_demonstrations(tok):
+    from grpo.config import load_config
+    from grpo.models.episodes import episode_prompt
+    from grpo.models.prompts import render_prompt
+
+    tools = make_tools([calculator])
+    sets = ["model.chat_template=true", "tools.functions=[calculator]"]
+    listed = episode_prompt(tok, load_config(None, sets), "2+2=", tools)
+    assert '"name": "calculator"' in listed and listed.endswith("<|im_start|>assistant\n")
+    cfg = load_config(None, [*sets, "tools.list_in_prompt=false"])
+    bare = episode_prompt(tok, cfg, "2+2=", tools)
+    assert bare == render_prompt(tok, "2+2=", cfg) and "calculator" not in bare
+    # without a chat template the listing goes before the problem, or nowhere
+    plain = ["tools.functions=[calculator]"]
+    assert episode_prompt(tok, load_config(None, plain), "2+2=", tools).startswith("You may call")
+    cfg = load_config(None, [*plain, "tools.list_in_prompt=false"])
+    assert episode_prompt(tok, cfg, "2+2=", tools) == render_prompt(tok, "2+2=", cfg)
