@@ -19,6 +19,7 @@ solutions: the reference learns where the answer goes, not how to find it).
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 from typing import Any
 
@@ -167,7 +168,8 @@ def eval_rows(name: str, data: Any) -> list[dict[str, Any]]:
     generator never trained on: out of distribution) data.num_heldout problems of it at its
     defaults, drawn at the held-out seed past every training generator's index and
     deduplicated against every training set. `rg:mix`: every training generator's held-out
-    set together (evaluation then reports each generator's accuracy beside the whole's).
+    set together, one problem of each in turn (evaluation then reports each generator's
+    accuracy beside the whole's).
     `rg:reworded:<generator>` / `rg:reworded:mix`: the same problems in other words, the
     out-of-format check (grpo.data.rewording)."""
     gen = name.removeprefix(EVAL_PREFIX)
@@ -181,7 +183,10 @@ def eval_rows(name: str, data: Any) -> list[dict[str, Any]]:
         if not names:
             raise DataError(f"eval set {name}: needs data.task reasoning_gym with generators")
         sets = make_sets(data)
-        return [r for n in names for r in sets[f"heldout:{n}"]]
+        # round robin across the generators: the first n problems (--limit, a quick look)
+        # hold every generator, not the first one alone
+        groups = itertools.zip_longest(*(sets[f"heldout:{n}"] for n in names))
+        return [r for group in groups for r in group if r is not None]
     if gen in names:
         return make_sets(data)[f"heldout:{gen}"]
     return _ood_rows(gen, _key(data))
