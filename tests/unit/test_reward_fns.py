@@ -183,7 +183,7 @@ def test_registries_list_every_builtin_once():
     from reward_fns import PROCESS_REWARDS, REWARD_FUNCS
 
     assert sorted(REWARD_FUNCS) == ["accuracy", "environment", "format", "reasoning_gym",
-                                   "soft_overlong"]  # fmt: skip
+                                   "reasoning_gym_exact", "soft_overlong"]  # fmt: skip
     assert list(PROCESS_REWARDS) == ["column_steps", "arithmetic_steps"]
 
 
