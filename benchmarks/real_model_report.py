@@ -56,7 +56,7 @@ def _curves(rows: list[dict], control: list[dict], out: Path) -> None:
     steps = [r["step"] for r in rows if "reward" in r]
     fig, ax = plt.subplots(1, 4, figsize=(17, 3.4))
     panels = (
-        ("reward", "training reward (accuracy + 0.1 format)"),
+        ("reward", "training reward (the config's weighted sum)"),
         ("completions/mean_length", "completion tokens (mean)"),
         ("completions/clipped_ratio", "share hitting the token limit"),
     )
