@@ -31,5 +31,7 @@ def enter_project() -> dict[str, str]:
             "of grpo-pipeline"
         )
     os.chdir(project)
-    print(f"flow run in the project at {project}", flush=True)  # the worker's log shows it
+    # the worker's log shows it; one write, line and newline together, so that another
+    # process writing to the same log cannot land between them
+    print(f"flow run in the project at {project}\n", end="", flush=True)
     return {"directory": str(project)}
