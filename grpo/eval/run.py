@@ -117,8 +117,9 @@ def generate_for_rows(
 
 def pass_k_rows(rows: list[dict[str, Any]], limit: int | None, seed: int) -> list[dict[str, Any]]:
     """The problems sampled pass@k is measured on: `limit` of them drawn at random with `seed`,
-    in the set's order (all of them for None). Drawn, not the first ones: a set built generator
-    by generator (rg:mix) would otherwise be measured on its first generator alone.
+    in the set's order (all of them for None). Drawn, not the first ones: a set ordered by
+    kind (a file sorted by source or difficulty) would otherwise be measured on its first kind
+    alone.
 
     >>> rows = [{"id": i} for i in range(10)]
     >>> [r["id"] for r in pass_k_rows(rows, 4, 0)] == [r["id"] for r in pass_k_rows(rows, 4, 0)]
