@@ -13,7 +13,7 @@ CONFIG ?= configs/tiny.yaml
 # the interpreter of .venv: by default the fastest CPython 3.11 here (infra/pick_python.sh says why)
 PYTHON ?=
 
-.PHONY: install install-real run test test-fast lint serve bench clean
+.PHONY: install install-real install-llama-cpp run test test-fast lint serve bench clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	# an existing .venv is updated in place: making it again with another interpreter would
@@ -36,9 +36,18 @@ $(VENV)/.installed-real: $(VENV)/.installed
 	$(PY) -m pip install -q -c constraints.txt -e '.[real]'
 	touch $@
 
+# llama.cpp rollouts (grpo.rollout_engine llama_cpp): llama-cpp-python builds llama.cpp from
+# source, about 4 minutes on 2 cores; not needed by `make run`, installed by `make test` (the
+# engine's tests)
+$(VENV)/.installed-llama-cpp: $(VENV)/.installed
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install -q -c constraints.txt -e '.[llama-cpp]'
+	touch $@
+
 install: $(VENV)/.installed
 
 install-real: $(VENV)/.installed-real
+
+install-llama-cpp: $(VENV)/.installed-llama-cpp
 
 run: install
 	$(VENV)/bin/grpo pipeline --config $(CONFIG)
@@ -48,7 +57,7 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
 
-test: install-real lint
+test: install-real install-llama-cpp lint
 	$(PY) -m pytest
 
 test-fast: install

@@ -93,6 +93,8 @@ def switched_off_error(cfg: Config) -> str | None:
         (not g.async_rollouts, _changed(g, {"max_staleness", "sampler_threads",
          "sampler_dtype"}), "grpo",
          "grpo.async_rollouts=true"),
+        (g.rollout_engine != "llama_cpp", _changed(g, {"llama_cpp_dtype"}), "grpo",
+         "grpo.rollout_engine=llama_cpp"),
         (not g.rollout_correction, _changed(g, {"rollout_correction_level",
          "rollout_correction_mode", "rollout_correction_threshold",
          "rollout_correction_min_threshold"}), "grpo",
@@ -122,6 +124,9 @@ def tools_error(cfg: Config) -> str | None:
     if g.async_rollouts:
         return "tools with grpo.async_rollouts are not supported yet: the sampler process " \
             "runs single-turn completions; set grpo.async_rollouts=false"  # fmt: skip
+    if g.rollout_engine != "policy":
+        return f"tools with grpo.rollout_engine={g.rollout_engine} are not supported yet: " \
+            "episodes are sampled by the policy; set grpo.rollout_engine=policy"  # fmt: skip
     if g.advantage_mode == "process":
         return "tools with grpo.advantage_mode=process are not supported: process rewards " \
             "score one completion's reasoning steps, not an episode's turns"  # fmt: skip

@@ -127,6 +127,18 @@ class GRPOConfig(Strict):
         "the sampler process samples each step with the current weights while the learner "
         "waits, bit-identical to the synchronous loop (a check of the async machinery)",
     )
+    rollout_engine: Literal["policy", "llama_cpp"] = Field(
+        "policy",
+        description="what samples the rollouts: the policy itself (model.generation_engine: "
+        "the fast sampler or transformers generate), or llama.cpp in a process of its own "
+        "(Llama/Qwen2 family; weights synced each step; needs the llama-cpp extra; turns "
+        "rollout_correction on unless it is set; benchmarks/ENGINE.md)",
+    )
+    llama_cpp_dtype: Literal["float32", "float16"] = Field(
+        "float32",
+        description="rollout_engine llama_cpp: the engine's weight matrices in this dtype "
+        "(float16 halves the sync and widens the mismatch, which rollout_correction weights)",
+    )
     sampler_dtype: Literal["model", "float32", "bfloat16", "float16"] = Field(
         "model",
         description="async_rollouts: the sampler's weights in this dtype (model: model.dtype); "
@@ -270,9 +282,10 @@ class GRPOConfig(Strict):
                 f"{self.prompts_per_step * self.num_generations:,} completions a step, more "
                 f"than {MAX_BATCH:,}"
             )
-        if (self.async_rollouts and self.max_staleness > 0
+        if ((self.async_rollouts and self.max_staleness > 0 or self.rollout_engine != "policy")
                 and "rollout_correction" not in self.model_fields_set):  # fmt: skip
-            # stale rollouts are off-policy: corrected unless the user says otherwise
+            # stale rollouts, and another engine's numerics, are off-policy: corrected unless
+            # the user says otherwise
             object.__setattr__(self, "rollout_correction", True)
         if self.rollout_correction and self.mu > 1 and self.old_logprobs == "sampler":
             raise ValueError(

@@ -103,6 +103,8 @@ class AsyncRollouts:
         world: int, threads: int, start: int, ahead: dict[int, Any] | None = None,
     ) -> None:  # fmt: skip
         self.k, self.steps, self.rank = cfg.grpo.max_staleness, cfg.grpo.steps, rank
+        self.engine = ("llama.cpp engine" if cfg.grpo.rollout_engine == "llama_cpp"
+                       else "the policy's engine")  # fmt: skip
         # at most k steps are in flight (one with k = 0), step s in slot s % len(slots): each
         # slot's shared memory is made and sent to the sampler once, then refilled, so memory
         # and file descriptors stay flat however long the run
@@ -155,7 +157,8 @@ class AsyncRollouts:
         except queue.Empty:
             if not self.proc.is_alive():
                 raise RolloutSamplerError(
-                    f"the rollout sampler of rank {self.rank} (pid {self.proc.pid}) died with "
+                    f"the rollout sampler of rank {self.rank} ({self.engine}, pid "
+                    f"{self.proc.pid}) died with "
                     f"exit code {self.proc.exitcode} while sampling step {step + 1}; the last "
                     "checkpoint is kept (--resume goes on from it)"
                 ) from None
@@ -189,31 +192,36 @@ def sampler_main(
     slots: list[dict[str, torch.Tensor]] = []
     try:
         # no DeepSpeed here: the sampler's gathering of weights is ZeRO-3's, refused with async
-        sample = _sampler(cfg, policy_dir, rank, world)
-        while True:
-            try:
-                cmd = commands.get(timeout=POLL_S)
-            except queue.Empty:
-                if os.getppid() != parent:  # the learner was killed: nothing will ask again
+        sample, close = _sampler(cfg, policy_dir, rank, world, threads)
+        try:
+            while True:
+                try:
+                    cmd = commands.get(timeout=POLL_S)
+                except queue.Empty:
+                    if os.getppid() != parent:  # the learner was killed: nothing will ask again
+                        return
+                    continue
+                if cmd is None:
                     return
-                continue
-            if cmd is None:
-                return
-            if cmd[0] == "slots":  # the shared buffers, mapped once
-                slots = cmd[1]
-                continue
-            step, version, slot = cmd
-            t0 = time.time()
-            sampled, metrics = sample(step, slots[slot])
-            results.put(("done", step, sampled, metrics, version, time.time() - t0))
+                if cmd[0] == "slots":  # the shared buffers, mapped once
+                    slots = cmd[1]
+                    continue
+                step, version, slot = cmd
+                t0 = time.time()
+                sampled, metrics = sample(step, slots[slot])
+                results.put(("done", step, sampled, metrics, version, time.time() - t0))
+        finally:
+            close()
     except Exception as e:  # noqa: BLE001 - any failure goes to the learner as one line
         results.put(("error", f"rollout sampler of rank {rank}, step {step + 1}: "
                               f"{type(e).__name__}: {e}"))  # fmt: skip
         raise SystemExit(1) from None
 
 
-def _sampler(cfg: Config, policy_dir: str, rank: int, world: int) -> Any:
-    """sample(step, weights) -> (Sampled, reward metrics), with this process's own model."""
+def _sampler(cfg: Config, policy_dir: str, rank: int, world: int, threads: int) -> Any:
+    """(sample, close): sample(step, weights) -> (Sampled, reward metrics), with this
+    process's own model (and with rollout_engine llama_cpp, its engine, synced to it); close()
+    ends the engine."""
     from grpo.data.sets import training_sets
     from grpo.engine.sampling import sample_step
     from grpo.engine.scoring import RewardScorer
@@ -231,6 +239,13 @@ def _sampler(cfg: Config, policy_dir: str, rank: int, world: int) -> Any:
     eos_ids = eos_token_ids(tok, model)
     rows = training_sets(cfg)["train"]
     scorer = RewardScorer(cfg)
+    llama = None
+    if cfg.grpo.rollout_engine == "llama_cpp":
+        from grpo.models.llamacpp_engine import LlamaCppEngine
+
+        # in this process: it is the rollouts' own process already
+        llama = LlamaCppEngine(model, tok, dtype=cfg.grpo.llama_cpp_dtype, threads=threads,
+                               own_process=False)  # fmt: skip
 
     def sample(step: int, weights: dict[str, torch.Tensor]) -> tuple[Sampled, dict[str, Any]]:
         missing, unexpected = model.load_state_dict(weights, strict=False)
@@ -239,12 +254,17 @@ def _sampler(cfg: Config, policy_dir: str, rank: int, world: int) -> Any:
             raise RuntimeError(f"the learner's weights do not fit the sampler's model: "
                                f"unexpected {unexpected[:3]}, missing "
                                f"{sorted(trainable & set(missing))[:3]}")  # fmt: skip
+        engine = {}
+        if llama is not None:
+            llama.sync(model)
+            engine = {"time/weight_sync": llama.sync_seconds,
+                      "engine/weight_sync_mib": llama.bytes_synced / 2**20}  # fmt: skip
         with torch.no_grad():
             sampled = sample_step(
                 model, tok, cfg, rows, scorer, step=step, rank=rank, world=world,
-                device=device, eos_ids=eos_ids, alone=True,
+                device=device, eos_ids=eos_ids, alone=True, rollout_engine=llama,
             )  # fmt: skip
             gap = numeric_gap(model, sampled.rollout, cfg.grpo)
-        return sampled, {**scorer.take_metrics(), "async/numeric_gap/mean": gap}
+        return sampled, {**scorer.take_metrics(), "async/numeric_gap/mean": gap, **engine}
 
-    return sample
+    return sample, (llama.close if llama is not None else lambda: None)

@@ -139,6 +139,14 @@ class Trainer:
         self.files = RunFiles(self.out, self.rank, g.keep_checkpoints)
         if self.rank == 0:
             (self.out / "deepspeed_config.json").write_text(json.dumps(ds_config, indent=2))
+        # llama.cpp samples in a process of its own (with async rollouts: the sampler's)
+        self.llama = None
+        if g.rollout_engine == "llama_cpp" and not g.async_rollouts:
+            from grpo.models.llamacpp_engine import LlamaCppEngine
+
+            with gathered(self.engine.module, cfg.deepspeed.zero_stage):
+                self.llama = LlamaCppEngine(self.engine.module, self.tok, dtype=g.llama_cpp_dtype,
+                                            threads=torch.get_num_threads())  # fmt: skip
 
     def train(
         self, resume: bool = False, progress: bool = True,
@@ -173,13 +181,15 @@ class Trainer:
         finally:
             if self.rollouts is not None:
                 self.rollouts.close()
+            if self.llama is not None:
+                self.llama.close()
         bar.close()
         self.files.close()
         report(g.steps, g.steps, True)  # a control running beside this run stops here
         summary = {
             "final": last, "seconds": time.time() - t_start, "start_step": start,
-            "generation_engine": resolve_engine(self.engine.module,
-                                                self.cfg.model.generation_engine),
+            "generation_engine": "llama_cpp" if g.rollout_engine == "llama_cpp" else
+            resolve_engine(self.engine.module, self.cfg.model.generation_engine),
             "parameters": self.params, "inrun_subset_size": len(self.eval_rows),
         }  # fmt: skip
         if self.selection is None:
@@ -272,13 +282,19 @@ class Trainer:
         t0 = time.time()
         # 1-2. sample G completions for each of this rank's prompts, scoring each round (with
         # async rollouts, sampled ahead by the sampler process: here only waited for)
+        sync: dict[str, float] = {}
         if self.rollouts is not None:
             sampled, reward_metrics, staleness = self.rollouts.get(step, self.engine.module)
         else:
+            if self.llama is not None:  # the engine samples with this step's weights
+                with gathered(self.engine.module, self.cfg.deepspeed.zero_stage):
+                    self.llama.sync(self.engine.module)
+                sync = {"time/weight_sync": self.llama.sync_seconds,
+                        "engine/weight_sync_mib": self.llama.bytes_synced / 2**20}  # fmt: skip
             sampled = sample_step(
                 self.engine.module, self.tok, self.cfg, self.train_rows, self.scorer, step=step,
                 rank=self.rank, world=self.world, device=self.device, eos_ids=self.eos_ids,
-                toolbox=self.toolbox,
+                toolbox=self.toolbox, rollout_engine=self.llama,
             )  # fmt: skip
         t1 = time.time()
         # dynamic sampling keeps informative groups first
@@ -308,8 +324,10 @@ class Trainer:
             m.update(reduce_episode_metrics(all_reduce_dict(sampled.tool_metrics, self.device)))
         n_tok = all_reduce_sum([float(ro.completion_mask.sum())], self.device)[0]
         n_sampled = all_reduce_sum([len(sampled.texts)], self.device)[0]
+        m.update(sync)
         m.update({
-            "step": step + 1, "time/sampling": t1 - t0, "time/advantages": t2 - t1,
+            "step": step + 1, "time/sampling": t1 - t0 - sync.get("time/weight_sync", 0.0),
+            "time/advantages": t2 - t1,
             "time/reference": t3 - t2, "time/training": t4 - t3, "step_time": t4 - t0,
             "tokens_per_second": n_tok / max(t4 - t0, 1e-9),
             "completions_per_second": n_sampled / max(t4 - t0, 1e-9),

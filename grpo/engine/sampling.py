@@ -53,6 +53,7 @@ def sample_step(
     eos_ids: list[int],
     alone: bool = False,
     toolbox: Any = None,
+    rollout_engine: Any = None,
 ) -> Sampled:
     """This rank's prompts of `step`, G completions each, scored as they come.
 
@@ -62,6 +63,8 @@ def sample_step(
     still needs groups), because ZeRO-3 gathers parameters collectively in every round;
     `alone` (a sampler process, outside the ranks' process group) decides for this rank only.
     With a toolbox (grpo.models.episodes.Toolbox) each completion is a multi-turn episode.
+    With a rollout_engine (grpo.models.llamacpp_engine.LlamaCppEngine, its weights synced by
+    the caller) the engine samples instead of the policy.
     """
     g = cfg.grpo
     local = g.prompts_per_step // world
@@ -86,15 +89,17 @@ def sample_step(
             tool_metrics = {k: (tool_metrics or {}).get(k, 0.0) + v for k, v in got.items()}
         else:
             ids, mask = encode_prompts(tok, [r["prompt"] for r in rows], cfg, device)
-            with gathered(policy, cfg.deepspeed.zero_stage):
-                ro = generate(
-                    policy, ids, mask,
-                    num_generations=g.num_generations,
-                    max_completion_length=g.max_completion_length,
-                    eos_token_id=eos_ids, pad_token_id=tok.pad_token_id,
-                    temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
-                    engine=cfg.model.generation_engine,
-                )  # fmt: skip
+            settings = dict(
+                num_generations=g.num_generations, max_completion_length=g.max_completion_length,
+                eos_token_id=eos_ids, pad_token_id=tok.pad_token_id, temperature=g.temperature,
+                top_p=g.top_p, top_k=g.top_k,
+            )  # fmt: skip
+            if rollout_engine is not None:
+                ro = rollout_engine.generate(ids.cpu(), mask.cpu(), **settings).to(device)
+            else:
+                with gathered(policy, cfg.deepspeed.zero_stage):
+                    ro = generate(policy, ids, mask, engine=cfg.model.generation_engine,
+                                  **settings)  # fmt: skip
             round_texts = tok.batch_decode(ro.completion_ids, skip_special_tokens=True)
             sc = scorer(ro, rows, round_texts, step)
         parts.append(ro)

@@ -64,6 +64,8 @@ class _Gap:
     kl_k3: float = 0.0
     # multi-turn: the gap of each model turn (sum, tokens), turns 1..TURN_METRICS
     by_turn: dict[int, list[float]] = field(default_factory=dict)
+    # every token's gap, for the quantiles (a step's tokens: a few thousand floats)
+    values: list[torch.Tensor] = field(default_factory=list)
 
     def add(
         self, trainer: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor,
@@ -82,12 +84,20 @@ class _Gap:
                 s[0] += float((d * at).sum())
                 s[1] += float(at.sum())
         self.largest = max(self.largest, float(d.max()) if d.numel() else 0.0)
+        self.values.append(d[mask.bool()].detach().float().cpu())
         kl = mismatch_metrics(trainer, sampler, mask)
         self.kl_k1 += kl["kl_k1"]
         self.kl_k3 += kl["kl_k3"]
 
+    def quantiles(self) -> dict[str, float]:
+        """The per-token gap's median, 90th and 99th percentiles on this rank's tokens."""
+        d = torch.cat(self.values) if self.values else torch.zeros(1)
+        q = torch.quantile(d, torch.tensor(GAP_QUANTILES)) if d.numel() else torch.zeros(3)
+        return {f"p{round(x * 100)}": float(v) for x, v in zip(GAP_QUANTILES, q)}
+
 
 TURN_METRICS = 8  # logprob_gap/turn_<k> for the first turns of multi-turn episodes
+GAP_QUANTILES = (0.5, 0.9, 0.99)  # logprob_gap/p50, p90, p99
 
 
 @dataclass
@@ -234,6 +244,9 @@ def update_policy(
     out["mismatch/kl_k1"] = tot["_kl_k1"] / max(tot["_gap_tokens"], 1.0)
     out["mismatch/kl_k3"] = tot["_kl_k3"] / max(tot["_gap_tokens"], 1.0)
     out["logprob_gap/max"] = all_reduce_dict({"max": gap.largest}, plan.device, "max")["max"]
+    # quantiles do not add up over ranks: each rank's own, and the largest is logged
+    qs = all_reduce_dict(gap.quantiles(), plan.device, "max")
+    out |= {f"logprob_gap/{k}": v for k, v in qs.items()}
     # TRL's names for the same measures, so a TRL user's dashboard reads these runs
     out["sampling/sampling_logp_difference/mean"] = out["logprob_gap/mean"]
     out["sampling/sampling_logp_difference/max"] = out["logprob_gap/max"]

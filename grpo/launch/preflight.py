@@ -165,6 +165,15 @@ def check_gguf(spec: str) -> None:
     check_readers(resolve_gguf(spec))
 
 
+def check_rollout_engine(cfg: Config) -> None:
+    """grpo.rollout_engine's package is installed (llama_cpp: llama-cpp-python)."""
+    if cfg.grpo.rollout_engine == "llama_cpp":
+        from grpo.models.llamacpp_engine import missing_reason
+
+        if (reason := missing_reason()) is not None:
+            raise PreflightError(reason)
+
+
 def preflight(
     cfg: Config, *, model_dirs: list[str | Path] = (), train: bool = True,
     base: str | Path | None = None,
@@ -186,5 +195,6 @@ def preflight(
         check_model_dir(d, base)  # base: of an adapter directory among them
     if train:
         check_rewards(cfg)
+        check_rollout_engine(cfg)
         check_memory(cfg)
     check_data(cfg)

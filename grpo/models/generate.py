@@ -46,6 +46,14 @@ class Rollout:
         }  # fmt: skip
         return Rollout(**tensors, group_size=self.group_size)
 
+    def to(self, device: torch.device | str) -> Rollout:
+        """The same rollout with every tensor on `device`."""
+        tensors = {
+            f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
+            for f in fields(self) if f.name != "group_size"
+        }  # fmt: skip
+        return Rollout(**tensors, group_size=self.group_size)
+
     @property
     def trained_mask(self) -> torch.Tensor:
         """The tokens a loss may count [N, C]: the completion's, less tool responses."""

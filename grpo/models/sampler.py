@@ -189,6 +189,25 @@ def sample_tokens(probs: torch.Tensor) -> torch.Tensor:
     return (cdf < u).sum(-1).clamp(max=probs.shape[-1] - 1)
 
 
+def draw(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, do_sample: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The next token of each row [B] from its logits [B, V], and its log-probability under
+    the distribution it was drawn from: softmax(logits / T), restricted to what top-k/top-p
+    keep when they are on (greedy: the argmax, with its log-prob under softmax(logits / T))."""
+    scaled = logits.float() / temperature
+    logp_all = torch.log_softmax(scaled, -1)
+    if do_sample:
+        kept = filter_logits(scaled, top_k, top_p)
+        if kept is not scaled:  # top-k/top-p: the log-probs of what was drawn from
+            logp_all = kept.log_softmax(-1)
+        probs = logp_all.exp() if kept is scaled else kept.softmax(-1)
+        tok = sample_tokens(probs)
+    else:
+        tok = scaled.argmax(-1)
+    return tok, logp_all.gather(1, tok[:, None]).squeeze(1)
+
+
 def _in_inference_mode(fn: Callable[..., tuple[torch.Tensor, ...]]) -> Callable:
     """Run fn in inference mode, which skips autograd's view and version bookkeeping (~15% of a
     sampling step here), and clone its outputs outside it so that training may save them for
@@ -270,20 +289,11 @@ def sample(
     steps = 0
     for step in range(max_new_tokens):
         steps = step + 1
-        scaled = logits.float() / temperature
-        logp_all = torch.log_softmax(scaled, -1)
-        if do_sample:
-            kept = filter_logits(scaled, top_k, top_p)
-            if kept is not scaled:  # top-k/top-p: the log-probs of what was drawn from
-                logp_all = kept.log_softmax(-1)
-            probs = logp_all.exp() if kept is scaled else kept.softmax(-1)
-            tok = sample_tokens(probs)
-        else:
-            tok = scaled.argmax(-1)
+        tok, tok_logp = draw(logits, temperature, top_k, top_p, do_sample)
         # rows already done keep decoding until the next compaction; what they write after
         # their EOS is masked by the caller
         out[rows, step] = tok
-        logps[rows, step] = logp_all.gather(1, tok[:, None]).squeeze(1)
+        logps[rows, step] = tok_logp
         done = done | torch.isin(tok, eos_ids)
         n_done = int(done.sum())
         if n_done == rows.shape[0] or step + 1 == max_new_tokens:

@@ -163,3 +163,17 @@ def test_the_log_prob_over_a_truncated_distribution_by_hand():
     z = torch.tensor([[[1.0, 0.5, -3.0]]], requires_grad=True)
     truncated_token_logprobs(z, torch.tensor([[0]]), 1.0, 2, 1.0)[0].sum().backward()
     assert z.grad[0, 0, 2].item() == 0.0 and z.grad[0, 0, 0].item() > 0
+
+
+def test_the_gap_quantiles_count_only_the_masked_tokens():
+    from grpo.engine.update import _Gap
+
+    gap = _Gap()
+    # 101 counted gaps 0.00, 0.01, ..., 1.00 over two calls; the masked tokens' 9.0 left out
+    trainer = torch.tensor([[i / 100 for i in range(60)] + [9.0] * 4])
+    gap.add(trainer, torch.zeros_like(trainer), torch.tensor([[1] * 60 + [0] * 4]))
+    rest = torch.tensor([[i / 100 for i in range(60, 101)]])
+    gap.add(torch.zeros_like(rest), rest, torch.ones_like(rest))
+    q = gap.quantiles()
+    assert q == pytest.approx({"p50": 0.50, "p90": 0.90, "p99": 0.99})
+    assert gap.largest == pytest.approx(1.0) and gap.tokens == 101

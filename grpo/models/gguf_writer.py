@@ -1,0 +1,218 @@
+"""The policy's weights as a GGUF file that llama.cpp runs, rewritten in place as they train.
+
+`write_gguf` writes a Llama or Qwen2 model (float32, or float16 matrices) with its tokenizer's
+vocabulary; the returned `GGUFWeights` knows where each tensor's bytes lie in the file, and
+`sync(model)` copies the current weights there. llama.cpp maps the file (shared, read-only) and
+its CPU backend computes on the mapped float32/float16 tensors directly, so a sync is one copy
+of the weights into the page cache and the engine sees them at its next decode: no reload, no
+second file (tests/unit/test_llamacpp_engine.py checks the engine's log-probs after a sync).
+
+llama.cpp's "llama" architecture rotates query/key pairs interleaved where Hugging Face's Llama
+rotates halves, so q_proj and k_proj rows are permuted on the way, as llama.cpp's own converter
+does; its "qwen2" architecture rotates halves like Hugging Face, and takes the weights as they
+are. A LoRA policy is written with its adapters merged (W + scale * B @ A).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from grpo.models.lora import base_model, effective_bias, effective_weight
+
+ARCHITECTURES = {"llama": "LLAMA", "qwen2": "QWEN2"}  # model_type -> gguf.MODEL_ARCH member
+DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+class GGUFExportError(ValueError):
+    """The model cannot be written as a GGUF that llama.cpp runs the same way."""
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why this model cannot be written exactly, or None when it can."""
+    cfg = base_model(model).config
+    if cfg.model_type not in ARCHITECTURES:
+        return f"model_type {cfg.model_type!r} is not one of {tuple(ARCHITECTURES)}"
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        return f"rope scaling {rope.get('rope_type', rope.get('type'))!r} is not written"
+    if getattr(cfg, "use_sliding_window", False):
+        return "sliding-window attention is not written"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"hidden_act {cfg.hidden_act!r} (only silu)"
+    return None
+
+
+def rope_theta(cfg: Any) -> float:
+    """The rotary base, wherever this transformers version keeps it."""
+    params = getattr(cfg, "rope_parameters", None) or {}
+    return float(params.get("rope_theta") or getattr(cfg, "rope_theta", None) or 10000.0)
+
+
+def permute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Rows of q_proj/k_proj from rotate-half order (Hugging Face) to interleaved pairs
+    (llama.cpp's llama architecture), head by head.
+
+    >>> permute_rotary(torch.arange(4.0).view(4, 1), 1).view(-1).tolist()
+    [0.0, 2.0, 1.0, 3.0]
+    """
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def policy_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor) of every weight the forward computes with; a LoRA layer's
+    is its merged weight. lm_head is left out when tied to the embeddings."""
+    m = base_model(model)
+    tied = bool(getattr(m.config, "tie_word_embeddings", False))
+    seen = set()
+    for name, module in m.named_modules():
+        layer = isinstance(module, torch.nn.Linear | torch.nn.Embedding)
+        if layer or hasattr(module, "base_layer"):
+            if name in seen or (tied and name == "lm_head"):
+                continue
+            seen.add(name)
+            yield f"{name}.weight", effective_weight(module)
+            bias = effective_bias(module) if not isinstance(module, torch.nn.Embedding) else None
+            if bias is not None:
+                yield f"{name}.bias", bias
+            continue
+        if any(name.startswith(s + ".") for s in seen):
+            continue  # the parts of a LoRA layer (base_layer, lora_A, ...)
+        for pname, p in module.named_parameters(recurse=False):
+            yield f"{name}.{pname}", p
+
+
+def _vocabulary(tok: Any, n_vocab: int) -> tuple[list[str], list[int], list[str]]:
+    """Token texts, types and merges for llama.cpp's byte-level BPE vocabulary ("gpt2"): the
+    engine is given token ids and never tokenizes, but llama.cpp loads the vocabulary with the
+    model and checks its size against the embedding's rows (padded with unused tokens)."""
+    import gguf
+
+    texts = tok.convert_ids_to_tokens(list(range(len(tok))))
+    special, added = set(tok.all_special_ids), set(tok.get_added_vocab().values())
+    types = [
+        gguf.TokenType.CONTROL if i in special
+        else gguf.TokenType.USER_DEFINED if i in added else gguf.TokenType.NORMAL
+        for i in range(len(texts))
+    ]  # fmt: skip
+    if len(texts) > n_vocab:
+        raise GGUFExportError(f"the tokenizer has {len(texts)} tokens, the embedding {n_vocab}")
+    texts += [f"[PAD{i}]" for i in range(len(texts), n_vocab)]
+    types += [gguf.TokenType.UNUSED] * (n_vocab - len(types))
+    model = json.loads(tok.backend_tokenizer.to_str()).get("model", {})
+    merges = [" ".join(m) if isinstance(m, list) else m for m in model.get("merges", [])]
+    return texts, [int(t) for t in types], merges
+
+
+@dataclass
+class _Slot:
+    offset: int  # bytes from the start of the file
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    prepare: Callable[[torch.Tensor], torch.Tensor]  # HF layout -> GGUF layout
+
+
+class GGUFWeights:
+    """A written GGUF file and where each of the policy's tensors lies in it."""
+
+    def __init__(self, path: Path, slots: dict[str, _Slot]) -> None:
+        self.path, self.slots = path, slots
+        self._map = np.memmap(path, dtype=np.uint8, mode="r+")
+
+    @torch.no_grad()
+    def sync(self, model: torch.nn.Module) -> int:
+        """Copy `model`'s current weights into the file, in place; returns the bytes written.
+
+        Not flushed to disk: llama.cpp reads the same page cache through its mapping."""
+        written = 0
+        for name, t in policy_tensors(model):
+            slot = self.slots[name]
+            n = int(np.prod(slot.shape)) * torch.tensor([], dtype=slot.dtype).element_size()
+            view = self._map[slot.offset : slot.offset + n]
+            torch.from_numpy(view).view(slot.dtype).view(slot.shape).copy_(slot.prepare(t))
+            written += n
+        return written
+
+    def close(self) -> None:
+        del self._map
+
+
+def write_gguf(model: torch.nn.Module, tok: Any, path: str | Path, dtype: str) -> GGUFWeights:
+    """Write `model` (Llama or Qwen2 family) and `tok`'s vocabulary as a GGUF file at `path`.
+
+    dtype: "float32", or "float16" for the 2-D matrices (norms and biases stay float32, as
+    llama.cpp's converter writes them). Returns the file's GGUFWeights, for syncing in place.
+    """
+    import gguf
+
+    if (reason := unsupported_reason(model)) is not None:
+        raise GGUFExportError(f"the llama.cpp engine cannot run this model: {reason}")
+    cfg = base_model(model).config
+    arch = getattr(gguf.MODEL_ARCH, ARCHITECTURES[cfg.model_type])
+    path = Path(path)
+    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    n_head, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_head
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(rope_theta(cfg))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "float32"
+                    else gguf.LlamaFileType.MOSTLY_F16)  # fmt: skip
+    tensors = dict(policy_tensors(model))
+    n_vocab = tensors["model.embed_tokens.weight"].shape[0]
+    texts, types, merges = _vocabulary(tok, n_vocab)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(texts)
+    w.add_token_types(types)
+    # llama.cpp refuses a BPE vocabulary without the merges key, and gguf writes no key for an
+    # empty list: a merge-free tokenizer (the tiny model's) gets one empty entry, never used
+    w.add_token_merges(merges or [""])
+    for key, value in (("eos", tok.eos_token_id), ("bos", tok.bos_token_id),
+                       ("pad", tok.pad_token_id)):  # fmt: skip
+        if value is not None:
+            getattr(w, f"add_{key}_token_id")(value)
+    names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
+    prepares: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+    gguf_names: dict[str, str] = {}
+    for name, t in tensors.items():
+        new = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if new is None:
+            raise GGUFExportError(f"{name}: no GGUF name for this tensor of {cfg.model_type}")
+        heads = {"q_proj.weight": n_head, "k_proj.weight": n_kv}.get(".".join(name.split(".")[-2:]))
+        to = DTYPES[dtype] if t.dim() == 2 else torch.float32
+        if cfg.model_type == "llama" and heads is not None:
+            prepares[name] = lambda x, h=heads, to=to: permute_rotary(x.detach(), h).to(to)
+        else:
+            prepares[name] = lambda x, to=to: x.detach().to(to)
+        gguf_names[name] = new
+        w.add_tensor(new, prepares[name](t).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    # where each tensor landed: GGUF aligns them, so read the offsets back rather than guess
+    reader = gguf.GGUFReader(path)
+    at = {t.name: int(t.data_offset) for t in reader.tensors}
+    slots = {
+        name: _Slot(at[gguf_names[name]], tuple(t.shape),
+                    DTYPES[dtype] if t.dim() == 2 else torch.float32, prepares[name])
+        for name, t in tensors.items()
+    }  # fmt: skip
+    del reader
+    return GGUFWeights(path, slots)
