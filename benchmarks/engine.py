@@ -61,9 +61,11 @@ def _tokens_per_second(cfg, model_dir: Path, repeats: int) -> tuple[dict, dict, 
     model = load_model(model_dir, "float32", trainable=False)
     rows = training_sets(cfg)["train"][: g.prompts_per_step]
     ids, mask = encode_prompts(tok, [r["prompt"] for r in rows], cfg, torch.device("cpu"))
-    settings = dict(num_generations=g.num_generations, max_completion_length=g.max_completion_length,
-                    eos_token_id=eos_token_ids(tok, model), pad_token_id=tok.pad_token_id,
-                    temperature=g.temperature, top_p=g.top_p, top_k=g.top_k)  # fmt: skip
+    settings = dict(
+        num_generations=g.num_generations, max_completion_length=g.max_completion_length,
+        eos_token_id=eos_token_ids(tok, model), pad_token_id=tok.pad_token_id,
+        temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+    )  # fmt: skip
     threads = torch.get_num_threads()
     llama = {d: LlamaCppEngine(model, tok, dtype=d, threads=threads)
              for d in ("float32", "float16")}  # fmt: skip
