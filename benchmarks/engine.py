@@ -70,6 +70,7 @@ def _tokens_per_second(cfg, model_dir: Path, repeats: int) -> tuple[dict, dict, 
     llama = {d: LlamaCppEngine(model, tok, dtype=d, threads=threads)
              for d in ("float32", "float16")}  # fmt: skip
     try:
+
         def run(engine: str):  # noqa: ANN202
             if engine.startswith("llama_cpp"):
                 return llama[engine.split()[1]].generate(ids, mask, **settings)
