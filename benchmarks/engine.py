@@ -2,7 +2,7 @@
 and float16 weights), at a config's step shape.
 
     .venv/bin/python benchmarks/engine.py [--config configs/smollm2-135m.yaml] [--repeats 3]
-        [--steps 3] [--out FILE]
+        [--steps 3] [--set key=value ...] [--out FILE]
 
 For each engine, alternated within each of --repeats rounds, one step's sampling of the
 config's prompts (prompts_per_step x num_generations, up to max_completion_length tokens) from
@@ -97,7 +97,9 @@ def _tokens_per_second(cfg, model_dir: Path, repeats: int) -> tuple[dict, dict, 
     return speed, sync, ideal / float(ro.completion_mask.sum())
 
 
-def _steps_per_hour(config: str | None, tmp: Path, steps: int, repeats: int) -> dict:
+def _steps_per_hour(
+    config: str | None, sets: list[str], tmp: Path, steps: int, repeats: int
+) -> dict:
     """{loop: [median step seconds per repeat]} of fresh trainer runs, loops alternated."""
     import torch
 
@@ -111,7 +113,7 @@ def _steps_per_hour(config: str | None, tmp: Path, steps: int, repeats: int) -> 
             run = tmp / f"{name.replace(' ', '_').replace(',', '')}-{r}"
             cfg = load_config(config, [f"output_dir={tmp}", "grpo.eval_every=0",
                                        f"grpo.steps={steps}", f"grpo.checkpoint_every={steps}",
-                                       "data.num_select=0", *extra])  # fmt: skip
+                                       "data.num_select=0", *sets, *extra])  # fmt: skip
             try:
                 Trainer(cfg, _model_dir(cfg, tmp), run).train(progress=False)
             finally:
@@ -130,13 +132,14 @@ def main() -> None:
     p.add_argument("--config", help="YAML config (default: the embedded default run)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=3, help="trainer steps per loop and repeat")
+    p.add_argument("--set", action="append", default=[], help="config override key=value")
     p.add_argument("--out", help="append the tables to this markdown file")
     a = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="grpo-engine-"))
-    cfg = load_config(a.config, [f"output_dir={tmp}"])
+    cfg = load_config(a.config, [f"output_dir={tmp}", *a.set])
     model_dir = _model_dir(cfg, tmp)
     speed, sync, ideal_per_token = _tokens_per_second(cfg, model_dir, a.repeats)
-    loops = _steps_per_hour(a.config, tmp, a.steps, a.repeats) if a.steps else {}
+    loops = _steps_per_hour(a.config, a.set, tmp, a.steps, a.repeats) if a.steps else {}
     g = cfg.grpo
     base = statistics.median(speed["fast"])
     lines = [
@@ -144,7 +147,8 @@ def main() -> None:
         f"{g.max_completion_length} tokens, T = {g.temperature}",
         "",
         f"`python benchmarks/engine.py{' --config ' + a.config if a.config else ''} --repeats "
-        f"{a.repeats} --steps {a.steps}`; {torch.get_num_threads()} threads, "
+        f"{a.repeats} --steps {a.steps}{''.join(' --set ' + x for x in a.set)}`; "
+        f"{torch.get_num_threads()} threads, "
         f"{Path(str(model_dir)).name}; medians of {a.repeats} alternated repeats.",
         "",
         "| engine | completion tokens/s | x fast | share of matmul speed |",

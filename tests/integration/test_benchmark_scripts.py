@@ -99,3 +99,23 @@ def test_utilization_counts_the_matmuls_of_both_phases(tmp_path):
         gflop, calls = float(cells[3]), int(cells[4].split()[0])
         assert calls > 0
         assert floor[phase] <= gflop <= 4 * floor[phase] + 0.5, (phase, gflop, floor[phase])
+
+
+def test_the_engine_benchmark_compares_every_engine_and_loop(tmp_path):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    out = tmp_path / "engine.md"
+    small = ["grpo.prompts_per_step=2", "grpo.num_generations=2", "grpo.max_completion_length=8",
+             "model.tiny.num_layers=1", "data.num_sft=16", "data.num_sft_val=8"]  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "engine.py"), "--repeats", "1", "--steps",
+         "1", "--out", str(out), *[x for s in small for x in ("--set", s)]],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    raw = json.loads(proc.stdout[proc.stdout.index("raw: ") + 5 :].splitlines()[0])
+    assert set(raw["speed"]) == {"fast", "hf", "llama_cpp float32", "llama_cpp float16"}
+    assert all(v[0] > 0 for v in raw["speed"].values())
+    assert set(raw["loops"]) == {"policy (fast), sync", "llama_cpp float32, sync",
+                                 "llama_cpp float32, async"}  # fmt: skip
+    text = out.read_text()
+    assert "| fast | " in text and " 1.00x |" in text and "| float16 |" in text
