@@ -30,3 +30,31 @@ class Picky(Counter):
         if row["answer"].endswith("7"):
             raise KeyError("no level for this row")
         return super().reset(**row)
+
+
+class Increment:
+    """TRL's documented environment_factory example (its IncrementEnv), in our words and with
+    its tool as TRL shows it: a bare reset(self), one typed method with a docstring."""
+
+    def __init__(self):
+        self._total = 0
+
+    def reset(self) -> None:
+        self._total = 0
+
+    def increment(self, a: int) -> int:
+        """Add a number to the running total.
+
+        Args:
+            a: The number to add
+
+        Returns:
+            The total after the addition.
+        """
+        self._total += a
+        return self._total
+
+
+def no_reward(completions, **kwargs):
+    """The example's reward function: zero for every completion."""
+    return [0.0 for _ in completions]

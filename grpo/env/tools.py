@@ -5,9 +5,10 @@ with arguments checked against those schemas.
 TRL's two forms run unchanged:
 - `tools=[f, g]`: stateless functions, shared by every episode;
 - `environment_factory=Cls`: one instance per episode; its public methods are its tools
-  (`reset` and `get_reward` excluded, as in TRL), `reset(**row)` starts an episode from the
-  dataset row and may return text added to the prompt, and `get_reward()`, when defined,
-  scores the finished episode.
+  (`reset` and `get_reward` excluded, as in TRL), `reset` starts an episode from the dataset
+  row's fields it names (all of them for `**kwargs`, none for a bare `reset(self)`) and may
+  return text added to the prompt, and `get_reward()`, when defined, scores the finished
+  episode.
 
 What TRL allows and this project refuses, each with a one-line error: async tools (coroutine
 functions), a tool without a docstring or a type for every argument (no schema can be made),
@@ -76,6 +77,23 @@ def make_tools(functions: list[Callable[..., Any]]) -> dict[str, Tool]:
             raise ToolSpecError(f"two tools are named {tool.name}")
         out[tool.name] = tool
     return out
+
+
+def reset_arguments(reset: Callable[..., Any], row: dict[str, Any]) -> dict[str, Any]:
+    """What of the dataset row an environment's reset takes: all of it for **kwargs, else the
+    fields its parameters name (none for a plain reset(self), as TRL's own example writes it).
+
+    >>> def a(**kw): ...
+    >>> def b(answer): ...
+    >>> def c(): ...
+    >>> [sorted(reset_arguments(f, {"answer": "4", "prompt": "2+2="})) for f in (a, b, c)]
+    [['answer', 'prompt'], ['answer'], []]
+    """
+    params = inspect.signature(reset).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return dict(row)
+    names = {p.name for p in params}
+    return {k: v for k, v in row.items() if k in names}
 
 
 def environment_tools(env: object) -> dict[str, Tool]:

@@ -23,7 +23,7 @@ from grpo.env.calls import template_has_tools, tool_instructions
 from grpo.env.episode import Episode, EpisodeLimits, GenerateTurn, TurnOutput, run_episodes
 from grpo.env.render import ToolTurns, demo_turns
 from grpo.env.sandbox import Limits, Sandbox
-from grpo.env.tools import Tool, ToolSpecError, environment_tools, make_tool
+from grpo.env.tools import Tool, ToolSpecError, environment_tools, make_tool, reset_arguments
 from grpo.models.generate import Rollout, generate
 from grpo.models.prompts import SYSTEM_PROMPT, render_prompt
 
@@ -99,7 +99,8 @@ class Toolbox:
         if self.env_cls is None:
             return self.shared, None, ""
         env = self.env_cls()
-        extra = env.reset(**row) if callable(getattr(env, "reset", None)) else None
+        reset = getattr(env, "reset", None)
+        extra = reset(**reset_arguments(reset, row)) if callable(reset) else None
         tools = {**self.shared, **environment_tools(env)}
         if len(tools) < len(self.shared) + len(environment_tools(env)):
             raise ToolSetupError("a tool of tools.functions and a method of tools.environment "

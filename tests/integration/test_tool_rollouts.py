@@ -131,6 +131,30 @@ def test_two_steps_with_an_environment_class_train_and_log_the_tool_metrics(tmp_
     assert "tool_use_rate" not in report["baseline"]["sets"]["synthetic"]
 
 
+def test_trls_documented_environment_example_trains_two_steps_unchanged(tmp_path):
+    """TRL's IncrementEnv example as its docs write it (reset(self) takes no row) and its
+    zero reward: two steps run, every episode gets a fresh instance, and the calls the model
+    makes reach the environment's method."""
+    import json
+
+    from grpo.engine.loop import Trainer
+    from grpo.models.episodes import Toolbox
+
+    cfg = small_config(
+        tmp_path, "tools.environment=tests.tool_envs:Increment", "tools.max_turns=2",
+        "grpo.reward_funcs=[tests.tool_envs:no_reward]", "grpo.reward_weights=[1.0]",
+        "model.tiny.max_position_embeddings=1024",
+    )  # fmt: skip
+    tools, env, extra = Toolbox(cfg).episode({"prompt": "Increment by two.", "answer": "2"})
+    assert set(tools) == {"increment"} and extra == ""
+    assert tools["increment"].fn(a=2) == 2 and tools["increment"].fn(a=3) == 5
+    assert Toolbox(cfg).episode({"prompt": "x", "answer": "1"})[1]._total == 0  # fresh
+    Trainer(cfg, base_model_dir(cfg), tmp_path / "grpo").train(progress=False)
+    rows = [json.loads(x) for x in (tmp_path / "grpo" / "metrics.jsonl").open()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["reward"] == 0.0 and r["tools/turns_mean"] >= 1 for r in rows)
+
+
 def test_validation_checks_the_episodes_prompts_and_that_the_environment_starts(tmp_path):
     from tasks.validation import DataValidationError, validate_datasets
 
