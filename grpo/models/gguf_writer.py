@@ -5,12 +5,14 @@ vocabulary; the returned `GGUFWeights` knows where each tensor's bytes lie in th
 `sync(model)` copies the current weights there. llama.cpp maps the file (shared, read-only) and
 its CPU backend computes on the mapped float32/float16 tensors directly, so a sync is one copy
 of the weights into the page cache and the engine sees them at its next decode: no reload, no
-second file (tests/unit/test_llamacpp_engine.py checks the engine's log-probs after a sync).
+second file (tests/integration/test_llamacpp_rollouts.py checks the engine's log-probs after a
+sync).
 
 llama.cpp's "llama" architecture rotates query/key pairs interleaved where Hugging Face's Llama
 rotates halves, so q_proj and k_proj rows are permuted on the way, as llama.cpp's own converter
 does; its "qwen2" architecture rotates halves like Hugging Face, and takes the weights as they
-are. A LoRA policy is written with its adapters merged (W + scale * B @ A).
+are. A LoRA policy's base weights are written once and its adapters as an adapter file of their
+own (`write_lora_gguf`), which llama.cpp loads and applies: a sync is then the adapters alone.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from grpo.models.lora import base_model, effective_bias, effective_weight
+from grpo.models.lora import base_model, effective_bias, effective_weight, linear_adapters
 
 ARCHITECTURES = {"llama": "LLAMA", "qwen2": "QWEN2"}  # model_type -> gguf.MODEL_ARCH member
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
@@ -66,25 +68,29 @@ def permute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def policy_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def policy_tensors(
+    model: torch.nn.Module, merged: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, tensor) of every weight the forward computes with; a LoRA layer's
-    is its merged weight. lm_head is left out when tied to the embeddings."""
+    is its merged weight, or its base weight with merged=False (the adapters then go to the
+    engine apart, write_lora_gguf). lm_head is left out when tied to the embeddings."""
     m = base_model(model)
     tied = bool(getattr(m.config, "tie_word_embeddings", False))
     seen = set()
     for name, module in m.named_modules():
+        if any(name.startswith(s + ".") for s in seen):
+            continue  # the parts of a LoRA layer (base_layer, lora_A, ...)
         layer = isinstance(module, torch.nn.Linear | torch.nn.Embedding)
         if layer or hasattr(module, "base_layer"):
-            if name in seen or (tied and name == "lm_head"):
-                continue
             seen.add(name)
-            yield f"{name}.weight", effective_weight(module)
+            if tied and name == "lm_head":
+                continue
+            base = hasattr(module, "base_layer") and not merged
+            yield f"{name}.weight", module.base_layer.weight if base else effective_weight(module)
             bias = effective_bias(module) if not isinstance(module, torch.nn.Embedding) else None
             if bias is not None:
                 yield f"{name}.bias", bias
             continue
-        if any(name.startswith(s + ".") for s in seen):
-            continue  # the parts of a LoRA layer (base_layer, lora_A, ...)
         for pname, p in module.named_parameters(recurse=False):
             yield f"{name}.{pname}", p
 
@@ -122,8 +128,8 @@ class _Slot:
 class GGUFWeights:
     """A written GGUF file and where each of the policy's tensors lies in it."""
 
-    def __init__(self, path: Path, slots: dict[str, _Slot]) -> None:
-        self.path, self.slots = path, slots
+    def __init__(self, path: Path, slots: dict[str, _Slot], merged: bool = True) -> None:
+        self.path, self.slots, self.merged = path, slots, merged
         self._map = np.memmap(path, dtype=np.uint8, mode="r+")
 
     @torch.no_grad()
@@ -132,7 +138,7 @@ class GGUFWeights:
 
         Not flushed to disk: llama.cpp reads the same page cache through its mapping."""
         written = 0
-        for name, t in policy_tensors(model):
+        for name, t in policy_tensors(model, self.merged):
             slot = self.slots[name]
             n = int(np.prod(slot.shape)) * torch.tensor([], dtype=slot.dtype).element_size()
             view = self._map[slot.offset : slot.offset + n]
@@ -144,18 +150,41 @@ class GGUFWeights:
         del self._map
 
 
-def write_gguf(model: torch.nn.Module, tok: Any, path: str | Path, dtype: str) -> GGUFWeights:
+def _layout(model: torch.nn.Module) -> tuple[Any, Any, Callable[[str, torch.Tensor], torch.Tensor]]:
+    """(gguf architecture, its tensor-name map, f(HF name, tensor) -> the rows GGUF wants)."""
+    import gguf
+
+    cfg = base_model(model).config
+    arch = getattr(gguf.MODEL_ARCH, ARCHITECTURES[cfg.model_type])
+    heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
+
+    def rows(name: str, t: torch.Tensor) -> torch.Tensor:
+        """q_proj/k_proj rows (of a weight, a bias or a LoRA B, whose rows are its layer's
+        output rows) permuted for llama.cpp's llama architecture."""
+        module = name.split(".")[-2]
+        if cfg.model_type == "llama" and module in heads:  # weights, biases and LoRA B
+            return permute_rotary(t.detach(), heads[module])
+        return t.detach()
+
+    return arch, gguf.get_tensor_name_map(arch, cfg.num_hidden_layers), rows
+
+
+def write_gguf(
+    model: torch.nn.Module, tok: Any, path: str | Path, dtype: str, merged: bool = True
+) -> GGUFWeights:
     """Write `model` (Llama or Qwen2 family) and `tok`'s vocabulary as a GGUF file at `path`.
 
     dtype: "float32", or "float16" for the 2-D matrices (norms and biases stay float32, as
-    llama.cpp's converter writes them). Returns the file's GGUFWeights, for syncing in place.
+    llama.cpp's converter writes them). merged: a LoRA policy's adapters merged into its
+    weights, or (False) its base weights alone, for an engine that takes the adapters apart.
+    Returns the file's GGUFWeights, for syncing in place.
     """
     import gguf
 
     if (reason := unsupported_reason(model)) is not None:
         raise GGUFExportError(f"the llama.cpp engine cannot run this model: {reason}")
     cfg = base_model(model).config
-    arch = getattr(gguf.MODEL_ARCH, ARCHITECTURES[cfg.model_type])
+    arch, names, rows = _layout(model)
     path = Path(path)
     w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
     n_head, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -173,7 +202,7 @@ def write_gguf(model: torch.nn.Module, tok: Any, path: str | Path, dtype: str) -
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "float32"
                     else gguf.LlamaFileType.MOSTLY_F16)  # fmt: skip
-    tensors = dict(policy_tensors(model))
+    tensors = dict(policy_tensors(model, merged))
     n_vocab = tensors["model.embed_tokens.weight"].shape[0]
     texts, types, merges = _vocabulary(tok, n_vocab)
     w.add_tokenizer_model("gpt2")
@@ -187,19 +216,14 @@ def write_gguf(model: torch.nn.Module, tok: Any, path: str | Path, dtype: str) -
                        ("pad", tok.pad_token_id)):  # fmt: skip
         if value is not None:
             getattr(w, f"add_{key}_token_id")(value)
-    names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
     prepares: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
     gguf_names: dict[str, str] = {}
     for name, t in tensors.items():
         new = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if new is None:
             raise GGUFExportError(f"{name}: no GGUF name for this tensor of {cfg.model_type}")
-        heads = {"q_proj.weight": n_head, "k_proj.weight": n_kv}.get(".".join(name.split(".")[-2:]))
         to = DTYPES[dtype] if t.dim() == 2 else torch.float32
-        if cfg.model_type == "llama" and heads is not None:
-            prepares[name] = lambda x, h=heads, to=to: permute_rotary(x.detach(), h).to(to)
-        else:
-            prepares[name] = lambda x, to=to: x.detach().to(to)
+        prepares[name] = lambda x, name=name, to=to: rows(name, x).to(to)
         gguf_names[name] = new
         w.add_tensor(new, prepares[name](t).numpy())
     w.write_header_to_file()
@@ -215,4 +239,34 @@ def write_gguf(model: torch.nn.Module, tok: Any, path: str | Path, dtype: str) -
         for name, t in tensors.items()
     }  # fmt: skip
     del reader
-    return GGUFWeights(path, slots)
+    return GGUFWeights(path, slots, merged)
+
+
+def write_lora_gguf(model: torch.nn.Module, path: str | Path) -> int:
+    """Write a LoRA policy's adapters as a llama.cpp adapter file at `path` (float32); returns
+    its size in bytes. llama.cpp scales B @ A by alpha / r, so alpha is written as the
+    adapters' own scale times r: the engine then computes what peft does."""
+    import gguf
+
+    arch, names, rows = _layout(model)
+    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    w.add_string("general.type", "adapter")
+    w.add_string("adapter.type", "lora")
+    scales = set()
+    for name, a, b, scale in linear_adapters(model):
+        new = names.get_name(f"{name}.weight", try_suffixes=(".weight",))
+        if new is None:
+            raise GGUFExportError(f"{name}: no GGUF name for this adapted layer")
+        w.add_tensor(f"{new}.lora_a", a.detach().float().contiguous().numpy())
+        w.add_tensor(f"{new}.lora_b", rows(f"{name}.weight", b).float().contiguous().numpy())
+        scales.add((scale, a.shape[0]))
+    if len(scales) != 1:
+        raise GGUFExportError(f"the adapters' scales differ ({sorted(scales)}): llama.cpp "
+                              "takes one per adapter file")  # fmt: skip
+    scale, r = scales.pop()
+    w.add_float32("adapter.lora.alpha", float(scale * r))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path).stat().st_size

@@ -17,6 +17,7 @@ with one line naming it; `--resume` goes on from the last checkpoint.
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
 import shutil
@@ -29,7 +30,8 @@ from typing import Any
 import torch
 
 from grpo.models.generate import Rollout, completion_mask
-from grpo.models.gguf_writer import GGUFWeights, write_gguf
+from grpo.models.gguf_writer import GGUFWeights, write_gguf, write_lora_gguf
+from grpo.models.lora import is_lora
 from reward_fns.errors import UserError
 
 INSTALL_HINT = "make install-llama-cpp (llama-cpp-python, built from source: ~4 min on 2 cores)"
@@ -49,6 +51,12 @@ def missing_reason() -> str | None:
     return None
 
 
+def _saved_modules(model: torch.nn.Module) -> Any:
+    """The fully trained modules of a peft model (its modules_to_save: train_embeddings)."""
+    return (m for m in model.modules()
+            if hasattr(m, "modules_to_save") and hasattr(m, "original_module"))  # fmt: skip
+
+
 def _shared_dir() -> str | None:
     """Memory-backed /dev/shm where there is one: the file is rewritten every step and never
     needs to reach a disk."""
@@ -59,7 +67,8 @@ class LlamaCppEngine:
     """The learner's end of one rank's llama.cpp engine process.
 
     Args:
-        model: the policy (Llama or Qwen2 family; a LoRA policy is written merged).
+        model: the policy (Llama or Qwen2 family; of a LoRA policy the base weights are
+            written once and each sync sends the adapters alone).
         tok: its tokenizer (the vocabulary goes into the GGUF file).
         dtype: "float32" or "float16", the precision of the engine's weight matrices.
         threads: CPU threads the engine decodes with.
@@ -74,11 +83,19 @@ class LlamaCppEngine:
     ) -> None:  # fmt: skip
         if (reason := missing_reason()) is not None:
             raise EngineError(reason)
+        self.lora = is_lora(model)
+        if self.lora and any(True for _ in _saved_modules(model)):
+            raise EngineError(
+                "grpo.rollout_engine llama_cpp with model.lora.train_embeddings: llama.cpp "
+                "takes adapters on linear layers only; set train_embeddings=false"
+            )
         self.dir = Path(tempfile.mkdtemp(prefix="grpo-llamacpp-", dir=_shared_dir()))
         self.proc = None
         self.server: _Server | None = None
+        self.adapters = 0  # adapter files written (each sync of a LoRA policy: a new one)
         try:
-            self.weights: GGUFWeights = write_gguf(model, tok, self.dir / "policy.gguf", dtype)
+            self.weights: GGUFWeights = write_gguf(model, tok, self.dir / "policy.gguf", dtype,
+                                                   merged=not self.lora)  # fmt: skip
             if not own_process:
                 self.server = _Server(str(self.weights.path), threads)
                 return
@@ -102,7 +119,15 @@ class LlamaCppEngine:
         """The engine samples with `model`'s current weights from its next request on;
         returns the seconds the copy took."""
         t = time.perf_counter()
-        self.bytes_synced = self.weights.sync(model)
+        if self.lora:  # the adapters alone, as a file the engine loads in place of the last
+            self.adapters += 1
+            path = self.dir / f"adapter-{self.adapters}.gguf"
+            self.bytes_synced = write_lora_gguf(model, path)
+            self._call(("adapter", str(path)))
+            if self.adapters > 1:
+                (self.dir / f"adapter-{self.adapters - 1}.gguf").unlink()
+        else:
+            self.bytes_synced = self.weights.sync(model)
         self.sync_seconds = time.perf_counter() - t
         return self.sync_seconds
 
@@ -128,7 +153,7 @@ class LlamaCppEngine:
 
     def _call(self, request: tuple) -> Any:
         if self.server is not None:
-            return None if request[0] == "ready" else self.server.generate(*request[1:])
+            return self.server.handle(request)
         try:
             self.conn.send(request)
             status, payload = self.conn.recv()
@@ -182,8 +207,7 @@ def engine_main(path: str, conn: Any, threads: int) -> None:
         if request[0] == "stop":
             return
         try:
-            result = None if request[0] == "ready" else server.generate(*request[1:])
-            conn.send(("ok", result))
+            conn.send(("ok", server.handle(request)))
         except Exception as e:  # noqa: BLE001 - one request failed: said to the learner
             last = traceback.extract_tb(e.__traceback__)[-1]
             conn.send(("error", f"{type(e).__name__}: {e} ({Path(last.filename).name}:"
@@ -194,8 +218,6 @@ class _Server:
     """llama.cpp's model and a context sized for the largest request so far."""
 
     def __init__(self, path: str, threads: int) -> None:
-        import ctypes
-
         import llama_cpp as lc
 
         self.lc = lc
@@ -218,8 +240,41 @@ class _Server:
         self.threads = threads
         self.ctx = None
         self.ctx_shape = (0, 0)  # (sequences, cells) of the current context
+        self.adapter = None  # the LoRA adapter applied to every context
+
+    def handle(self, request: tuple) -> Any:
+        """One request: ("ready",), ("adapter", path) or ("generate", ...)."""
+        if request[0] == "adapter":
+            return self.set_adapter(request[1])
+        if request[0] == "generate":
+            return self.generate(*request[1:])
+        return None
+
+    def set_adapter(self, path: str) -> None:
+        """Load the LoRA adapter at `path` in place of the last one."""
+        lc = self.lc
+        adapter = lc.llama_adapter_lora_init(self.model, path.encode())
+        if not adapter:
+            raise RuntimeError(f"llama.cpp could not load the adapter {path}")
+        old, self.adapter = self.adapter, adapter
+        if self.ctx is not None:
+            self._apply_adapter()
+        if old is not None:
+            lc.llama_adapter_lora_free(old)
+
+    def _apply_adapter(self) -> None:
+        lc = self.lc
+        adapters = (lc.llama_adapter_lora_p_ctypes * 1)(self.adapter)
+        scales = (ctypes.c_float * 1)(1.0)  # the file's alpha / r is the whole scale
+        if (rc := lc.llama_set_adapters_lora(self.ctx, adapters, 1, scales)) != 0:
+            raise RuntimeError(f"llama_set_adapters_lora returned {rc}")
 
     def close(self) -> None:
+        if self.adapter is not None:
+            if self.ctx is not None:
+                self.lc.llama_set_adapters_lora(self.ctx, None, 0, None)
+            self.lc.llama_adapter_lora_free(self.adapter)
+            self.adapter = None
         if self.ctx is not None:
             self.lc.llama_free(self.ctx)
             self.ctx = None
@@ -246,6 +301,8 @@ class _Server:
         if not self.ctx:
             raise RuntimeError(f"llama.cpp could not make a context of {n_cells} cells")
         self.ctx_shape = (n_seq, n_cells)
+        if self.adapter is not None:
+            self._apply_adapter()
         return self.ctx
 
     def _decode(self, entries: list[tuple[int, int, int, bool]]) -> torch.Tensor:

@@ -98,6 +98,22 @@ def effective_weight(module: torch.nn.Module) -> torch.Tensor:
     return w
 
 
+def linear_adapters(
+    model: torch.nn.Module,
+) -> Iterator[tuple[str, torch.Tensor, torch.Tensor, float]]:
+    """(layer name in the base model, A [r, in], B [out, r], scale) of every active LoRA
+    adapter of a peft model: what an engine that applies the adapters itself needs."""
+    for name, module in base_model(model).named_modules():
+        if not (hasattr(module, "base_layer") and hasattr(module, "lora_A")):
+            continue
+        if module.disable_adapters or module.merged:
+            continue
+        for adapter in module.active_adapters:
+            if adapter in module.lora_A:
+                yield (name, module.lora_A[adapter].weight, module.lora_B[adapter].weight,
+                       float(module.scaling[adapter]))  # fmt: skip
+
+
 def effective_bias(module: torch.nn.Module) -> torch.Tensor | None:
     if hasattr(module, "modules_to_save") and hasattr(module, "original_module"):
         module = _saved_module(module)

@@ -9,6 +9,7 @@ import signal
 import pytest
 import torch
 
+from grpo.config import load_config
 from grpo.engine.loop import Trainer
 from grpo.launch.paths import base_model_dir
 from grpo.models.forward import completion_logprobs
@@ -109,6 +110,65 @@ def test_engine_logprobs_are_the_trainers_and_follow_a_sync(tiny):
     assert not engine.proc.is_alive() and not engine.dir.exists()
 
 
+def _small(kind: str):
+    """A 2-layer model of `kind` with the tiny tokenizer; llama untied and with attention
+    biases (its q/k rows and biases are permuted on the way to llama.cpp)."""
+    import transformers
+
+    from grpo.models.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    common = dict(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
+                  max_position_embeddings=128, pad_token_id=tok.pad_token_id,
+                  eos_token_id=tok.eos_token_id, bos_token_id=None)  # fmt: skip
+    if kind == "qwen2":
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common)).eval(), tok
+    cfg = transformers.LlamaConfig(**common, attention_bias=True, tie_word_embeddings=False)
+    return transformers.LlamaForCausalLM(cfg).eval(), tok
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@pytest.mark.parametrize("adapters", [False, True])
+def test_both_architectures_and_lora_adapters_sample_as_the_trainer_scores(kind, adapters):
+    from grpo.config import LoRAConfig
+    from grpo.models import lora
+
+    model, tok = _small(kind)
+    with torch.no_grad():  # biases away from zero, so that a wrong layout would show
+        for n, p in model.named_parameters():
+            if n.endswith("bias"):
+                p.normal_(0, 0.1)
+    if adapters:
+        model = lora.wrap(model, LoRAConfig(enabled=True, r=4, alpha=8.0)).eval()
+    cfg = load_config(None, ["grpo.rollout_engine=llama_cpp"])
+
+    def perturb():
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if not adapters or "lora_" in n:
+                    p.add_(torch.randn_like(p) * 0.05)
+
+    perturb()
+    engine = LlamaCppEngine(model, tok, dtype="float32", threads=1)
+    try:
+        for _ in range(2):  # as written, then after another change and a sync
+            engine.sync(model)
+            torch.manual_seed(0)
+            largest, _ = _gap(model, _sample(engine, cfg, model, tok), 1.0)
+            assert largest < F32_BOUND
+            perturb()
+        full = sum(p.numel() * 4 for n, p in model.named_parameters() if "lora_" not in n)
+        adapter_bytes = sum(p.numel() * 4 for n, p in model.named_parameters() if "lora_" in n)
+        if adapters:  # only the adapters travel (plus the file's header)
+            assert adapter_bytes <= engine.bytes_synced < adapter_bytes + 16384 < full
+        else:
+            assert engine.bytes_synced == full
+    finally:
+        engine.close()
+
+
 def test_float16_weights_halve_the_sync_and_widen_the_gap(tiny):
     cfg, model, tok = tiny
     gaps, synced = {}, {}
@@ -140,9 +200,13 @@ def test_a_dead_engine_ends_the_call_in_one_line(tiny):
     assert "llama.cpp rollout engine" in msg and "exit code -9" in msg and "--resume" in msg
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "async", "lora"])
 def test_two_steps_train_on_llama_cpp_rollouts_and_log_the_mismatch(tmp_path, mode):
-    extra = ("grpo.async_rollouts=true", "grpo.max_staleness=0") if mode == "async" else ()
+    extra = {
+        "sync": (),
+        "async": ("grpo.async_rollouts=true", "grpo.max_staleness=0"),
+        "lora": ("model.lora.enabled=true", "model.lora.r=2", "model.lora.alpha=4"),
+    }[mode]
     # completion lengths differ within a group: every group has something to learn
     cfg = small_config(tmp_path, "grpo.rollout_engine=llama_cpp", "grpo.lr=0.01",
                        "grpo.warmup_steps=0", f"grpo.reward_funcs=[{LENGTH}]",
