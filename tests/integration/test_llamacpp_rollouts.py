@@ -235,3 +235,23 @@ def test_two_steps_train_on_llama_cpp_rollouts_and_log_the_mismatch(tmp_path, mo
     trained = load_model(tmp_path / "grpo" / "policy", "float32").state_dict()
     start = load_model(base, "float32").state_dict()
     assert any(not torch.equal(trained[k], start[k]) for k in start)
+
+
+def test_a_run_whose_engine_dies_stops_in_one_line_and_resumes(tmp_path):
+    cfg = small_config(tmp_path, "grpo.rollout_engine=llama_cpp", "grpo.steps=3",
+                       f"grpo.reward_funcs=[{LENGTH}]", "grpo.reward_weights=[1.0]")  # fmt: skip
+    base = base_model_dir(cfg)
+    t = Trainer(cfg, base, tmp_path / "grpo")
+
+    def kill(done: int, _steps: int, _finished: bool) -> None:
+        if done == 1:
+            os.kill(t.llama.proc.pid, signal.SIGKILL)
+
+    with pytest.raises(EngineError) as e:
+        t.train(progress=False, on_step=kill)
+    msg = str(e.value)
+    assert len(msg.splitlines()) == 1 and "llama.cpp rollout engine" in msg, msg
+    assert not t.llama.dir.exists()  # its file went with it
+    # the checkpoint of step 1 holds: a resume starts a new engine and finishes the run
+    summary = Trainer(cfg, base, tmp_path / "grpo").train(resume=True, progress=False)
+    assert summary["start_step"] == 1 and summary["final"]["step"] == 3
