@@ -24,6 +24,7 @@ import shutil
 import tempfile
 import time
 import traceback
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -90,30 +91,37 @@ class LlamaCppEngine:
                 "takes adapters on linear layers only; set train_embeddings=false"
             )
         self.dir = Path(tempfile.mkdtemp(prefix="grpo-llamacpp-", dir=_shared_dir()))
+        # the file is the size of the model, in memory: gone with this object or the process
+        # even where close() is never reached
+        weakref.finalize(self, shutil.rmtree, self.dir, True)
         self.proc = None
         self.server: _Server | None = None
         self.adapters = 0  # adapter files written (each sync of a LoRA policy: a new one)
+        self.sync_seconds, self.bytes_synced = 0.0, 0
         try:
             self.weights: GGUFWeights = write_gguf(model, tok, self.dir / "policy.gguf", dtype,
                                                    merged=not self.lora)  # fmt: skip
             if not own_process:
                 self.server = _Server(str(self.weights.path), threads)
-                return
-            ctx = torch.multiprocessing.get_context("spawn")
-            self.conn, child = ctx.Pipe()
-            self.proc = ctx.Process(
-                target=engine_main, args=(str(self.weights.path), child, threads),
-                name="grpo-llama.cpp", daemon=True,
-            )  # fmt: skip
-            self.proc.start()
-            child.close()
-            self._call(("ready",))
+            else:
+                self._start(threads)
+            if self.lora:  # the file holds the base weights: the adapters go with a sync
+                self.sync(model)
         except BaseException:
             self.close()
             raise
-        finally:
-            self.sync_seconds = 0.0
-            self.bytes_synced = 0
+
+    def _start(self, threads: int) -> None:
+        """The engine's own process, answering once its model is loaded."""
+        ctx = torch.multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=engine_main, args=(str(self.weights.path), child, threads),
+            name="grpo-llama.cpp", daemon=True,
+        )  # fmt: skip
+        self.proc.start()
+        child.close()
+        self._call(("ready",))
 
     def sync(self, model: torch.nn.Module) -> float:
         """The engine samples with `model`'s current weights from its next request on;
