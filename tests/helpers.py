@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from grpo.config import Config, load_config
@@ -35,6 +35,18 @@ SMALL = [
 
 def small_config(tmp: Path, *extra: str) -> Config:
     return load_config(ROOT / "configs" / "tiny.yaml", [*SMALL, f"output_dir={tmp}", *extra])
+
+
+def kill_after(step: int, pid: Callable[[], int]) -> Callable[[int, int, bool], None]:
+    """A trainer's on_step callback that SIGKILLs the process pid() once `step` steps are done
+    (a sampler or engine process dying in the middle of a run)."""
+    import signal
+
+    def on_step(done: int, _steps: int, _finished: bool) -> None:
+        if done == step:
+            os.kill(pid(), signal.SIGKILL)
+
+    return on_step
 
 
 def fixed_rollout(tok, completions: list[str], prompt: str = "12+34=", group_size=None):  # noqa: ANN201

@@ -257,8 +257,7 @@ def _sampler(cfg: Config, policy_dir: str, rank: int, world: int, threads: int) 
         engine = {}
         if llama is not None:
             llama.sync(model)
-            engine = {"time/weight_sync": llama.sync_seconds,
-                      "engine/weight_sync_mib": llama.bytes_synced / 2**20}  # fmt: skip
+            engine = llama.sync_metrics()
         with torch.no_grad():
             sampled = sample_step(
                 model, tok, cfg, rows, scorer, step=step, rank=rank, world=world,

@@ -289,8 +289,7 @@ class Trainer:
             if self.llama is not None:  # the engine samples with this step's weights
                 with gathered(self.engine.module, self.cfg.deepspeed.zero_stage):
                     self.llama.sync(self.engine.module)
-                sync = {"time/weight_sync": self.llama.sync_seconds,
-                        "engine/weight_sync_mib": self.llama.bytes_synced / 2**20}  # fmt: skip
+                sync = self.llama.sync_metrics()
             sampled = sample_step(
                 self.engine.module, self.tok, self.cfg, self.train_rows, self.scorer, step=step,
                 rank=self.rank, world=self.world, device=self.device, eos_ids=self.eos_ids,

@@ -1,4 +1,4 @@
-"""Checks that run in the parent process, in seconds, before anything expensive starts.
+"""Cheap checks that run in the parent process before anything expensive starts.
 
 Each failure raises PreflightError with one line naming the thing and what was expected: the
 CLI prints it and exits 2 (the traceback only with --debug). The tracking store is checked by

@@ -522,7 +522,7 @@ def run_control(
     out_dir. threads_after: with follow, its CPU threads once that run is done."""
     from grpo.engine.pace import control_budget
 
-    given = control_budget(seconds, follow, steps)  # checked here, before a process starts
+    given = control_budget(seconds, follow, steps)  # a bad budget fails before any process
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg_path = write_config(cfg, out_dir.with_name(out_dir.name + "_config.yaml"))
     args = ["--policy", str(reference), "--out", str(out_dir)]

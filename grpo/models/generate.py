@@ -12,6 +12,7 @@ trainer computes (TRL does the same; top-k/top-p truncation is not part of pi's 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -40,16 +41,15 @@ class Rollout:
         """The rows idx, which must be whole groups (or a rank's share of whole groups)."""
         if idx.numel() % self.group_size:
             raise ValueError(f"idx: {idx.numel()} rows are not whole groups of {self.group_size}")
-        tensors = {
-            f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[idx]
-            for f in fields(self) if f.name != "group_size"
-        }  # fmt: skip
-        return Rollout(**tensors, group_size=self.group_size)
+        return self._map(lambda t: t[idx])
 
     def to(self, device: torch.device | str) -> Rollout:
         """The same rollout with every tensor on `device`."""
+        return self._map(lambda t: t.to(device))
+
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Rollout:
         tensors = {
-            f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
+            f.name: None if getattr(self, f.name) is None else fn(getattr(self, f.name))
             for f in fields(self) if f.name != "group_size"
         }  # fmt: skip
         return Rollout(**tensors, group_size=self.group_size)

@@ -124,6 +124,10 @@ class _Slot:
     dtype: torch.dtype
     prepare: Callable[[torch.Tensor], torch.Tensor]  # HF layout -> GGUF layout
 
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * torch.empty(0, dtype=self.dtype).element_size()
+
 
 class GGUFWeights:
     """A written GGUF file and where each of the policy's tensors lies in it."""
@@ -140,10 +144,9 @@ class GGUFWeights:
         written = 0
         for name, t in policy_tensors(model, self.merged):
             slot = self.slots[name]
-            n = int(np.prod(slot.shape)) * torch.tensor([], dtype=slot.dtype).element_size()
-            view = self._map[slot.offset : slot.offset + n]
+            view = self._map[slot.offset : slot.offset + slot.nbytes]
             torch.from_numpy(view).view(slot.dtype).view(slot.shape).copy_(slot.prepare(t))
-            written += n
+            written += slot.nbytes
         return written
 
     def close(self) -> None:
@@ -216,16 +219,17 @@ def write_gguf(
                        ("pad", tok.pad_token_id)):  # fmt: skip
         if value is not None:
             getattr(w, f"add_{key}_token_id")(value)
-    prepares: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+    slots: dict[str, _Slot] = {}
     gguf_names: dict[str, str] = {}
     for name, t in tensors.items():
         new = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if new is None:
             raise GGUFExportError(f"{name}: no GGUF name for this tensor of {cfg.model_type}")
         to = DTYPES[dtype] if t.dim() == 2 else torch.float32
-        prepares[name] = lambda x, name=name, to=to: rows(name, x).to(to)
+        # the offset is known once the file is written
+        slots[name] = _Slot(0, tuple(t.shape), to, lambda x, name=name, to=to: rows(name, x).to(to))
         gguf_names[name] = new
-        w.add_tensor(new, prepares[name](t).numpy())
+        w.add_tensor(new, slots[name].prepare(t).numpy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -233,11 +237,8 @@ def write_gguf(
     # where each tensor landed: GGUF aligns them, so read the offsets back rather than guess
     reader = gguf.GGUFReader(path)
     at = {t.name: int(t.data_offset) for t in reader.tensors}
-    slots = {
-        name: _Slot(at[gguf_names[name]], tuple(t.shape),
-                    DTYPES[dtype] if t.dim() == 2 else torch.float32, prepares[name])
-        for name, t in tensors.items()
-    }  # fmt: skip
+    for name, slot in slots.items():
+        slot.offset = at[gguf_names[name]]
     del reader
     return GGUFWeights(path, slots, merged)
 

@@ -32,10 +32,10 @@ import torch
 
 from grpo.models.generate import Rollout, completion_mask
 from grpo.models.gguf_writer import GGUFWeights, write_gguf, write_lora_gguf
-from grpo.models.lora import is_lora
+from grpo.models.lora import fully_trained_modules, is_lora
 from reward_fns.errors import UserError
 
-INSTALL_HINT = "make install-llama-cpp (llama-cpp-python, built from source: ~4 min on 2 cores)"
+INSTALL_HINT = "make install-llama-cpp (llama-cpp-python, which builds llama.cpp from source)"
 
 
 GGML_LOG_LEVEL_ERROR = 4  # ggml.h's enum ggml_log_level (the binding does not export it)
@@ -50,12 +50,6 @@ def missing_reason() -> str | None:
     if importlib.util.find_spec("llama_cpp") is None:
         return f"grpo.rollout_engine llama_cpp needs llama-cpp-python: {INSTALL_HINT}"
     return None
-
-
-def _saved_modules(model: torch.nn.Module) -> Any:
-    """The fully trained modules of a peft model (its modules_to_save: train_embeddings)."""
-    return (m for m in model.modules()
-            if hasattr(m, "modules_to_save") and hasattr(m, "original_module"))  # fmt: skip
 
 
 def _shared_dir() -> str | None:
@@ -85,7 +79,7 @@ class LlamaCppEngine:
         if (reason := missing_reason()) is not None:
             raise EngineError(reason)
         self.lora = is_lora(model)
-        if self.lora and any(True for _ in _saved_modules(model)):
+        if self.lora and any(True for _ in fully_trained_modules(model)):
             raise EngineError(
                 "grpo.rollout_engine llama_cpp with model.lora.train_embeddings: llama.cpp "
                 "takes adapters on linear layers only; set train_embeddings=false"
@@ -138,6 +132,11 @@ class LlamaCppEngine:
             self.bytes_synced = self.weights.sync(model)
         self.sync_seconds = time.perf_counter() - t
         return self.sync_seconds
+
+    def sync_metrics(self) -> dict[str, float]:
+        """The last sync's cost, as the step logs it."""
+        return {"time/weight_sync": self.sync_seconds,
+                "engine/weight_sync_mib": self.bytes_synced / 2**20}  # fmt: skip
 
     def generate(
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, num_generations: int,
@@ -301,8 +300,8 @@ class _Server:
             shape = tuple(max(a, b) for a, b in zip(shape, self.ctx_shape))
         p = lc.llama_context_default_params()
         # one KV buffer shared by the sequences: a decode's cost then follows the sequences
-        # still decoding. With a buffer per sequence, a decode of only some of them was slower
-        # than one of all (SmolLM2, one thread: 29 of 64 sequences 1.0 s, all 64 0.45 s)
+        # still decoding; with a buffer per sequence, a decode of only some of them was slower
+        # than one of all (benchmarks/ENGINE.md)
         p.n_seq_max, p.n_ctx, p.kv_unified = n_seq, n_cells, True
         p.n_batch = p.n_ubatch = shape[2]
         p.n_threads = p.n_threads_batch = self.threads

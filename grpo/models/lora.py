@@ -78,12 +78,21 @@ def adapters_off(model: torch.nn.Module) -> Iterator[None]:
         yield
 
 
+def is_fully_trained(module: torch.nn.Module) -> bool:
+    """A peft wrapper of a module trained in full (modules_to_save: train_embeddings)."""
+    return hasattr(module, "modules_to_save") and hasattr(module, "original_module")
+
+
+def fully_trained_modules(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    return (m for m in model.modules() if is_fully_trained(m))
+
+
 def effective_weight(module: torch.nn.Module) -> torch.Tensor:
     """What a layer computes with, as one tensor: W + (alpha / r) * B @ A for a LoRA linear
     with its adapters on; the active copy for a fully trained (modules_to_save) module; the
     weight itself otherwise. The fast sampler merges once per generate call this way: a
     rank-r product per layer costs far less than adding two thin matmuls to every token."""
-    if hasattr(module, "modules_to_save") and hasattr(module, "original_module"):
+    if is_fully_trained(module):
         return effective_weight(_saved_module(module))
     if not (hasattr(module, "base_layer") and hasattr(module, "lora_A")):
         return module.weight
@@ -115,7 +124,7 @@ def linear_adapters(
 
 
 def effective_bias(module: torch.nn.Module) -> torch.Tensor | None:
-    if hasattr(module, "modules_to_save") and hasattr(module, "original_module"):
+    if is_fully_trained(module):
         module = _saved_module(module)
     layer = module.base_layer if hasattr(module, "base_layer") else module
     return getattr(layer, "bias", None)

@@ -4,8 +4,6 @@ bit-identically, and a killed sampler ends the run in one line (on a LoRA policy
 transformers' generate)."""
 
 import json
-import os
-import signal
 
 import pytest
 import torch
@@ -16,7 +14,7 @@ from grpo.engine.loop import Trainer
 from grpo.launch.paths import base_model_dir
 from grpo.models.forward import completion_logprobs
 from grpo.models.loading import load_model
-from tests.helpers import small_config
+from tests.helpers import kill_after, small_config
 
 pytestmark = pytest.mark.slow
 
@@ -121,13 +119,8 @@ def test_a_killed_sampler_ends_the_run_in_one_line(tmp_path, threads):
                        "model.generation_engine=hf", "model.lora.enabled=true", "model.lora.r=2",
                        "model.lora.alpha=4")  # fmt: skip
     t = Trainer(cfg, base_model_dir(cfg), tmp_path / "grpo")
-
-    def kill(done: int, _steps: int, _finished: bool) -> None:
-        if done == 1:
-            os.kill(t.rollouts.proc.pid, signal.SIGKILL)
-
     with pytest.raises(RolloutSamplerError) as e:
-        t.train(progress=False, on_step=kill)
+        t.train(progress=False, on_step=kill_after(1, lambda: t.rollouts.proc.pid))
     msg = str(e.value)
     assert len(msg.splitlines()) == 1, msg
     assert "died with exit code -9" in msg and "--resume" in msg, msg

@@ -15,7 +15,7 @@ from grpo.launch.paths import base_model_dir
 from grpo.models.forward import completion_logprobs
 from grpo.models.loading import eos_token_ids, load_model, load_tokenizer
 from grpo.models.prompts import encode_prompts
-from tests.helpers import small_config
+from tests.helpers import kill_after, small_config
 
 pytest.importorskip(
     "llama_cpp", reason="llama-cpp-python is not installed (make install-llama-cpp)"
@@ -24,8 +24,8 @@ from grpo.models.llamacpp_engine import EngineError, LlamaCppEngine  # noqa: E40
 
 pytestmark = pytest.mark.slow
 
-# float32 weights on both sides: what is left is llama.cpp's kernels against torch's (measured
-# under 1e-3 nats at the largest token on the tiny model, 0.01 on SmolLM2)
+# float32 weights on both sides: what is left is llama.cpp's kernels against torch's
+# (benchmarks/ENGINE.md has the measured gaps)
 F32_BOUND = 2e-3
 LENGTH = "tests.trl_doc_rewards:reward_len"
 
@@ -242,13 +242,8 @@ def test_a_run_whose_engine_dies_stops_in_one_line_and_resumes(tmp_path):
                        f"grpo.reward_funcs=[{LENGTH}]", "grpo.reward_weights=[1.0]")  # fmt: skip
     base = base_model_dir(cfg)
     t = Trainer(cfg, base, tmp_path / "grpo")
-
-    def kill(done: int, _steps: int, _finished: bool) -> None:
-        if done == 1:
-            os.kill(t.llama.proc.pid, signal.SIGKILL)
-
     with pytest.raises(EngineError) as e:
-        t.train(progress=False, on_step=kill)
+        t.train(progress=False, on_step=kill_after(1, lambda: t.llama.proc.pid))
     msg = str(e.value)
     assert len(msg.splitlines()) == 1 and "llama.cpp rollout engine" in msg, msg
     assert not t.llama.dir.exists()  # its file went with it
