@@ -1,7 +1,8 @@
 """Sweep GRPO settings from one SFT reference; held-out accuracy with paired differences.
 
-python benchmarks/sweep.py --reference runs/sft/<key> --set grpo.lr=1e-4 --set ... [--variant ...]
-Each --variant is a ';'-separated list of overrides; results go to benchmarks/sweep_results.jsonl.
+python benchmarks/sweep.py --reference runs/sft/<key> --variant "grpo.lr=1e-4;seed=1" ...
+Each --variant is a ';'-separated list of overrides; every model is evaluated on --sets (default:
+the config's eval.sets), paired against the reference; results go to OUT/sweep_results.jsonl.
 """
 
 import argparse
@@ -27,10 +28,14 @@ def main() -> None:
     p.add_argument("--variant", action="append", required=True)
     p.add_argument("--out", default="runs/sweep")
     p.add_argument("--control", action="store_true", help="also SFT continued for GRPO's time")
+    p.add_argument("--sets", help="comma-separated held-out sets (default: the config's eval.sets)")
+    p.add_argument("--limit", type=int, help="the first N problems of each set")
     a = p.parse_args()
     out = Path(a.out)
-    ref_eval = evaluate_model(load_config(a.config), a.reference, ["synthetic", "synthetic_ood"],
-                              str(out / "reference"), progress=False)  # fmt: skip
+    base = load_config(a.config)
+    sets = a.sets.split(",") if a.sets else base.eval.sets
+    ref_eval = evaluate_model(base, a.reference, sets, str(out / "reference"), limit=a.limit,
+                              progress=False)  # fmt: skip
     ref_samples = [json.loads(x) for x in (out / "reference" / "samples.jsonl").open()]
     print("reference", {k: round(v["accuracy"], 3) for k, v in ref_eval["sets"].items()})
     for i, variant in enumerate(a.variant):
@@ -39,11 +44,11 @@ def main() -> None:
         t = time.time()
         run_grpo(cfg, Path(a.reference), out / f"v{i}", log=lambda s: None)
         secs = time.time() - t
-        rep = evaluate_model(cfg, str(out / f"v{i}" / "policy"), ["synthetic", "synthetic_ood"],
-                             str(out / f"v{i}" / "eval"), progress=False)  # fmt: skip
+        rep = evaluate_model(cfg, str(out / f"v{i}" / "policy"), sets, str(out / f"v{i}" / "eval"),
+                             limit=a.limit, progress=False)  # fmt: skip
         samples = [json.loads(x) for x in (out / f"v{i}" / "eval" / "samples.jsonl").open()]
         res = {"variant": overrides, "seconds": round(secs, 1)}
-        for s in ("synthetic", "synthetic_ood"):
+        for s in sets:
             d = paired_difference([r for r in ref_samples if r["set"] == s],
                                   [r for r in samples if r["set"] == s])  # fmt: skip
             res[s] = round(rep["sets"][s]["accuracy"], 4)
@@ -54,8 +59,9 @@ def main() -> None:
 
             ctl = out / f"v{i}_control"
             train_control(cfg, a.reference, ctl, training_sets(cfg), max_seconds=secs)  # fmt: skip
-            crep = evaluate_model(cfg, str(ctl), ["synthetic"], str(ctl) + "_eval", progress=False)
-            res["control_synthetic"] = round(crep["sets"]["synthetic"]["accuracy"], 4)
+            crep = evaluate_model(cfg, str(ctl), sets[:1], str(ctl) + "_eval", limit=a.limit,
+                                  progress=False)  # fmt: skip
+            res[f"control_{sets[0]}"] = round(crep["sets"][sets[0]]["accuracy"], 4)
         curve = [json.loads(x) for x in (out / f"v{i}" / "metrics.jsonl").open()]
         res["curve"] = [(r["step"], round(r["eval/inrun_subset_accuracy"], 3)) for r in curve
                         if "eval/inrun_subset_accuracy" in r]  # fmt: skip
