@@ -5,8 +5,10 @@ Reads each run's eval/<model>/samples.jsonl (greedy) and samples_sampled.jsonl (
 training temperature), grpo/metrics.jsonl, the control's metrics and both selection summaries,
 and writes: the held-out table (strict: the training reward's reading; lenient: the last number
 in the text), the paired differences with 95% intervals (`grpo - sft_continued` first), the
-selection, the curves, and the same problems before and after. Several --run-dir give the
-GRPO - control difference per seed and its spread.
+selection, accuracy per reasoning-gym generator, the out-of-format check (a set beside its
+reworded twin), the curves, and the same problems before and after. Several --run-dir give
+GRPO - RFT, GRPO - continued SFT, RFT - reference and GRPO - reference per seed and set, with
+the seeds' spread.
 
     python benchmarks/real_model_report.py --run-dir runs/smollm2-135m/<parent run id> \
         --wall "71 min" --peak-rss "9.8 GB" --out benchmarks/REAL_MODEL_RESULT.md
@@ -125,45 +127,130 @@ def _paired_rows(run_dir: Path) -> list[str]:
     return lines
 
 
+SEED_PAIRS = (("rft", "grpo"), ("sft_continued", "grpo"), ("reference", "rft"),
+              ("reference", "grpo"))  # fmt: skip
+
+
+def _seed(run_dir: Path) -> str:
+    cfg = (run_dir / "grpo" / "config.yaml").read_text()
+    return next((ln.split(":")[1].strip() for ln in cfg.splitlines() if ln.startswith("seed:")),
+                "?")  # fmt: skip
+
+
 def _seed_rows(run_dirs: list[Path]) -> list[str]:
+    """Per comparison, one row per seed and one column per set (strict), then the seeds' mean
+    and range: the seed spread beside each seed's paired interval."""
     from grpo.eval.metrics import format_paired, paired_difference
 
-    lines = ["| seed | run | grpo - sft_continued (in-distribution, strict) |", "|---|---|---|"]
-    diffs = []
-    for rd in run_dirs:
-        cfg = (rd / "grpo" / "config.yaml").read_text()
-        seed = next((ln.split(":")[1].strip() for ln in cfg.splitlines()
-                     if ln.startswith("seed:")), "?")  # fmt: skip
-        first = (_sets(rd) or ["?"])[0]
-        a = _by_set(_jsonl(rd / "eval" / "sft_continued" / "samples.jsonl"), first)
-        b = _by_set(_jsonl(rd / "eval" / "grpo" / "samples.jsonl"), first)
-        if not (a and b):  # an unfinished evaluation has no difference to show
-            lines.append(f"| {seed} | `{rd.name}` | not evaluated |")
+    sets = list(dict.fromkeys(s for rd in run_dirs for s in _sets(rd)))
+    lines: list[str] = []
+    for minus, model in SEED_PAIRS:
+        rows, diffs = [], {s: [] for s in sets}
+        for rd in run_dirs:
+            a = _jsonl(rd / "eval" / minus / "samples.jsonl")
+            b = _jsonl(rd / "eval" / model / "samples.jsonl")
+            if not (a and b):  # a model this run did not train, or an unfinished evaluation
+                continue
+            cells = []
+            for s in sets:
+                sa, sb = _by_set(a, s), _by_set(b, s)
+                if not (sa and sb):
+                    cells.append("-")
+                    continue
+                d = paired_difference(sa, sb)
+                diffs[s].append(d["diff"])
+                cells.append(format_paired(d))
+            rows.append(f"| {_seed(rd)} | `{rd.name}` | " + " | ".join(cells) + " |")
+        if not rows:
             continue
-        d = paired_difference(a, b)
-        diffs.append(d["diff"])
-        lines.append(f"| {seed} | `{rd.name}` | {format_paired(d)} |")
-    if len(diffs) > 1:
-        lines.append(f"| spread | | mean {statistics.mean(diffs):+.3f}, from {min(diffs):+.3f} "
-                     f"to {max(diffs):+.3f} |")  # fmt: skip
+        lines += [f"**{model} - {minus}** (strict)", "",
+                  "| seed | run | " + " | ".join(sets) + " |", "|---|---|" + "---|" * len(sets),
+                  *rows]  # fmt: skip
+        if len(rows) > 1:
+            spread = [f"mean {statistics.mean(v):+.3f}, {min(v):+.3f} to {max(v):+.3f}"
+                      if v else "-" for v in diffs.values()]  # fmt: skip
+            lines.append("| seeds | | " + " | ".join(spread) + " |")
+        lines.append("")
     return lines
+
+
+def _generator_rows(run_dir: Path) -> list[str]:
+    """Accuracy per reasoning-gym generator (each set's report.json `by_generator`)."""
+    reports = {label: json.loads(p.read_text()) for label in LABELS
+               if (p := run_dir / "eval" / label / "report.json").exists()}  # fmt: skip
+    lines = []
+    for s in _sets(run_dir):
+        gens = sorted(
+            {g for r in reports.values() for g in r["sets"].get(s, {}).get("by_generator", {})}
+        )
+        if len(gens) < 2:
+            continue
+        labels = [lb for lb in reports if s in reports[lb]["sets"]]
+        lines += [f"| {s}: generator | " + " | ".join(labels) + " |",
+                  "|---|" + "---|" * len(labels)]  # fmt: skip
+        for g in gens:
+            cells = [f"{reports[lb]['sets'][s]['by_generator'].get(g, float('nan')):.3f}"
+                     for lb in labels]  # fmt: skip
+            lines.append(f"| {g} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
+def _reworded_rows(run_dir: Path) -> list[str]:
+    """The out-of-format check: each model on a set and on the same problems in other words
+    (`rg:reworded:X` beside `rg:X`), paired problem by problem."""
+    from grpo.eval.metrics import format_paired, paired_difference, summarize
+
+    sets = _sets(run_dir)
+    pairs = [(s.replace("reworded:", "", 1), s) for s in sets
+             if ":reworded:" in s and s.replace("reworded:", "", 1) in sets]  # fmt: skip
+    lines = []
+    for orig, reworded in pairs:
+        lines += [f"| model | {orig} | {reworded} | reworded - original, paired 95% |",
+                  "|---|---|---|---|"]  # fmt: skip
+        for label in LABELS:
+            recs = _jsonl(run_dir / "eval" / label / "samples.jsonl")
+            a, b = _by_set(recs, orig), _by_set(recs, reworded)
+            if a and b:
+                lines.append(f"| {label} | {summarize(a)['accuracy']:.3f} | "
+                             f"{summarize(b)['accuracy']:.3f} | "
+                             f"{format_paired(paired_difference(a, b))} |")  # fmt: skip
+        lines.append("")
+    return lines
+
+
+def _reference_summary(run_dir: Path) -> dict | None:
+    """The SFT summary of the reference this run evaluated (eval/reference/report.json names
+    it, relative to the directory the pipeline ran in)."""
+    report = run_dir / "eval" / "reference" / "report.json"
+    if not report.exists():
+        return None
+    model = Path(json.loads(report.read_text())["model"])
+    path = (model if model.is_absolute() else run_dir.parents[2] / model) / "sft_summary.json"
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def _before_after(run_dir: Path, n: int = 8) -> list[str]:
     samples = {label: {r["id"]: r for r in _jsonl(run_dir / "eval" / label / "samples.jsonl")
                        if r["sample"] == 0}
-               for label in ("reference", "grpo", "sft_continued")}  # fmt: skip
+               for label in ("reference", "grpo", "sft_continued", "rft")}  # fmt: skip
+    if not samples["rft"]:  # a run without the RFT control
+        del samples["rft"]
     if not all(samples.values()):
         return []
-    lines = ["| problem | gold | reference | grpo | sft_continued |", "|---|---|---|---|---|"]
+    lines = [
+        "| problem | gold | " + " | ".join(samples) + " |",
+        "|---|---|" + "---|" * len(samples),
+    ]
     clip = lambda t: t.replace("\n", " ").replace("|", "/")[:90]  # noqa: E731
     # the problems where the three disagree first: where RL and SFT differ is what to read
     ids = sorted(samples["grpo"], key=lambda i: (
         len({samples[m][i]["correct"] for m in samples if i in samples[m]}) == 1, i))  # fmt: skip
     for i in ids[:n]:
-        ref, g, c = samples["reference"][i], samples["grpo"][i], samples["sft_continued"][i]
+        g = samples["grpo"][i]
         mark = lambda r: ("✓ " if r["correct"] else "✗ ") + clip(r["completion"])  # noqa: E731
-        lines.append(f"| `{g['prompt']}` | {g['gold']} | {mark(ref)} | {mark(g)} | {mark(c)} |")
+        cells = " | ".join(mark(samples[m][i]) if i in samples[m] else "-" for m in samples)
+        lines.append(f"| `{clip(g['prompt'])}` | {g['gold']} | {cells} |")
     return lines
 
 
@@ -191,7 +278,7 @@ def main() -> None:
     _curves(rows, control, ROOT / "benchmarks" / a.curves)
     sel_g = json.loads((run_dir / "grpo" / "selection_summary.json").read_text())
     ctl = json.loads((run_dir / "sft_continued" / "control_summary.json").read_text())
-    sft = sorted(run_dir.parent.parent.glob("sft/*/sft_summary.json"))
+    sft = _reference_summary(run_dir)
     step_times = [r["step_time"] for r in rows if "step_time" in r]
     lines = [
         "## Measured: the run",
@@ -213,10 +300,11 @@ def main() -> None:
         "",
         *_paired_rows(run_dir),
         "",
+        *(["### Per generator", "", *_generator_rows(run_dir)] if _generator_rows(run_dir) else []),
+        *(["### Out of format", "", *_reworded_rows(run_dir)] if _reworded_rows(run_dir) else []),
         "### Seeds",
         "",
         *_seed_rows(runs),
-        "",
         "### Curves",
         "",
         f"![curves]({a.curves})",
@@ -226,10 +314,9 @@ def main() -> None:
         *_before_after(run_dir),
     ]
     if sft:
-        s = json.loads(sft[-1].read_text())
-        lines += ["", f"The SFT reference: {s['steps']} steps, best validation loss "
-                  f"{s['best_val_loss']:.4f}, {s['lr_cuts']} learning-rate cut(s), "
-                  f"{s['seconds']:.0f} s."]  # fmt: skip
+        lines += ["", f"The SFT reference: {sft['steps']} steps, best validation loss "
+                  f"{sft['best_val_loss']:.4f}, {sft['lr_cuts']} learning-rate cut(s), "
+                  f"{sft['seconds']:.0f} s."]  # fmt: skip
     Path(a.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
