@@ -400,8 +400,10 @@ def rft_budget(cfg: Config, run_dir: Path) -> int:
     return completion_budget(cfg, per_step or None)
 
 
-# the models the pipeline compares, evaluated with sampled pass@k beside greedy decoding
-PASS_K_MODELS = ("grpo", "sft_continued", "rft")
+# the models the pipeline compares, evaluated with sampled pass@k beside greedy decoding: the
+# trained ones and the reference they start from (whether a method widened or narrowed what
+# sampling finds is read against it)
+PASS_K_MODELS = ("grpo", "sft_continued", "rft", "reference")
 
 
 def _reuse_evaluation(src: Path, out: Path, model: str, same: str) -> dict[str, Any]:
@@ -451,9 +453,8 @@ def evaluate(
         c = tracking.client(cfg)
         plan = plan_evaluations({m: model_digest(p) for m, p in models.items()}, PASS_K_MODELS)
         jobs = {
-            # sampled pass@k for the two models compared (k samples cost k greedy
-            # evaluations): not for the reference (the selection split's is measured before
-            # training), the last steps or the champion
+            # sampled pass@k for the compared models (k samples cost k greedy evaluations):
+            # not for the last steps or the champion
             label: dict(model_dir=models[label], sets=cfg.eval.sets,
                         out_dir=str(run_dir / "eval" / label), samples=cfg.eval.samples,
                         limit=cfg.eval.limit, progress=True,

@@ -820,13 +820,13 @@ def test_the_evaluate_stage_evaluates_the_same_weights_once(store, tmp_path):
     pid = tracking.start_pipeline_run(c, exp, cfg, "test")
     ev = flow(lambda: stages.evaluate(cfg, pid, models, tmp_path / "run"), name="reuse")()
     reports = ev["reports"]
-    # the compared models are evaluated first; the reference reuses GRPO's (pass@k included),
-    # the control's last step the control's
-    assert reports["reference"]["same_weights_as"] == "grpo"
+    # the compared models are evaluated first, the reference among them; GRPO, on its weights,
+    # reuses its evaluation (pass@k included), the control's last step the control's
+    assert reports["grpo"]["same_weights_as"] == "reference"
     assert reports["sft_continued_last"]["same_weights_as"] == "sft_continued"
-    assert "same_weights_as" not in reports["grpo"] | reports["sft_continued"]
-    assert reports["reference"]["model"] == str(model)
-    assert "sampled_pass@2" in reports["reference"]["sets"]["synthetic"]
+    assert "same_weights_as" not in reports["reference"] | reports["sft_continued"]
+    assert reports["grpo"]["model"] == str(same)
+    assert "sampled_pass@2" in reports["grpo"]["sets"]["synthetic"]
     # greedy on all 12 problems, sampled pass@2 on the first 5 only
     sampled = tracking.read_jsonl(tmp_path / "run" / "eval" / "grpo" / "samples_sampled.jsonl")
     assert len(sampled) == 10 and len({r["id"] for r in sampled}) == 5
@@ -836,10 +836,10 @@ def test_the_evaluate_stage_evaluates_the_same_weights_once(store, tmp_path):
     # what evaluating the reference again gives: the same completions, the same numbers
     fresh = evaluate_model(cfg, str(model), cfg.eval.sets, str(tmp_path / "fresh"), limit=12,
                            progress=False, pass_k=2)  # fmt: skip
-    assert fresh["sets"] == reports["reference"]["sets"]
+    assert fresh["sets"] == reports["grpo"]["sets"]
     for name in ("samples.jsonl", "samples_sampled.jsonl"):
         assert (tmp_path / "fresh" / name).read_text() == (
-            tmp_path / "run" / "eval" / "reference" / name).read_text()  # fmt: skip
+            tmp_path / "run" / "eval" / "grpo" / name).read_text()  # fmt: skip
 
 
 def test_a_failed_evaluation_among_workers_stops_the_others_with_its_error(tmp_path):

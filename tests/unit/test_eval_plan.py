@@ -8,11 +8,11 @@ def test_same_weights_reuse_the_sampled_models_evaluation_and_the_sampled_go_fir
     digests = {"reference": "r", "grpo": "g", "sft_continued": "r", "grpo_last": "g",
                "sft_continued_last": "c"}  # fmt: skip
     plan = plan_evaluations(digests, PASS_K_MODELS)
-    assert plan == {"grpo": None, "sft_continued": None, "reference": "sft_continued",
+    assert plan == {"reference": None, "grpo": None, "sft_continued": "reference",
                     "grpo_last": "grpo", "sft_continued_last": None}  # fmt: skip
     # evaluated in this order: the sampled (longest) first, then the rest as given
     assert [m for m, same in plan.items() if same is None] == [
-        "grpo", "sft_continued", "sft_continued_last"]  # fmt: skip
+        "reference", "grpo", "sft_continued_last"]  # fmt: skip
 
 
 def test_a_sampled_model_never_copies_an_evaluation_without_pass_k():
