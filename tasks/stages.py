@@ -442,23 +442,30 @@ def evaluate(
     cfg: Config, parent_id: str, models: dict[str, str], run_dir: Path, candidate: str = "grpo"
 ) -> dict:
     """Every model on the same held-out problems; paired differences against the reference,
-    GRPO against its controls, and the candidate (grpo or rft) against the champion."""
+    GRPO against its controls, and the candidate (grpo or rft) against the champion; with
+    eval.untooled, the reference and the candidate also without their tools."""
     import pandas as pd
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
     from grpo.eval.metrics import comparison, markdown_rows
     from grpo.eval.run import evaluate_models
 
+    untooled = {f"{m}_untooled": m for m in ("reference", candidate)} if cfg.eval.untooled else {}
+    models = models | {label: models[m] for label, m in untooled.items()}
     with stage_run(cfg, parent_id, "evaluate") as run_id:
         c = tracking.client(cfg)
-        plan = plan_evaluations({m: model_digest(p) for m, p in models.items()}, PASS_K_MODELS)
+        # the same weights without tools answer otherwise: never a copy of the tooled evaluation
+        digests = {m: model_digest(p) + ("/untooled" if m in untooled else "")
+                   for m, p in models.items()}  # fmt: skip
+        plan = plan_evaluations(digests, PASS_K_MODELS)
         jobs = {
             # sampled pass@k for the compared models (k samples cost k greedy evaluations):
             # not for the last steps or the champion
             label: dict(model_dir=models[label], sets=cfg.eval.sets,
                         out_dir=str(run_dir / "eval" / label), samples=cfg.eval.samples,
                         limit=cfg.eval.limit, progress=True,
-                        pass_k=None if label in PASS_K_MODELS else 0)
+                        pass_k=None if label in PASS_K_MODELS else 0,
+                        without_tools=label in untooled)
             for label, same in plan.items() if same is None
         }  # fmt: skip
         print(f"evaluating {', '.join(jobs)}"

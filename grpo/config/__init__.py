@@ -120,6 +120,9 @@ def tools_error(cfg: Config) -> str | None:
     if not t.active:
         if t != type(t)():
             return "tools.* is set but no tool is: give tools.functions or tools.environment"
+        if cfg.eval.untooled:
+            return "eval.untooled evaluates models without their tools, but no tool is set " \
+                "(tools.functions or tools.environment)"  # fmt: skip
         return None
     if g.async_rollouts:
         return "tools with grpo.async_rollouts are not supported yet: the sampler process " \

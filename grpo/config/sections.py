@@ -339,6 +339,12 @@ class EvalConfig(Strict):
     batch_size: int = Field(256, gt=0)
     max_new_tokens: int | None = Field(None, gt=0, description="None: max_completion_length")
     few_shot: int = Field(0, ge=0, description="worked SFT examples placed before each prompt")
+    untooled: bool = Field(
+        False,
+        description="with tools: the reference and the trained model are also evaluated "
+        "without them (reference_untooled, grpo_untooled), paired on the same problems: what "
+        "the tool adds, and what each model does in its head",
+    )  # fmt: skip
     workers: int = Field(
         1, ge=1, le=64,
         description="models the pipeline evaluates at once, each in its own process with an "

@@ -216,6 +216,8 @@ def comparison(
             ("champion", candidate),
             ("sft_continued_last", "grpo_last"),
             ("rft_last", "grpo_last"),
+            # what the tools add to the trained model (eval.untooled)
+            (f"{candidate}_untooled", candidate),
         )
         for base, model in pairs:
             if base not in labels or model not in labels:

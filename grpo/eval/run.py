@@ -145,6 +145,7 @@ def evaluate_model(
     base: str | None = None,
     pass_k: int | None = None,
     bar_label: str = "evaluate",
+    without_tools: bool = False,
 ) -> dict[str, Any]:
     """Evaluate a model directory on named sets; writes report.json, samples.jsonl, report.md.
 
@@ -163,7 +164,11 @@ def evaluate_model(
             drawn by pass_k_rows
             (default: eval.pass_k; their records go to samples_sampled.jsonl).
         bar_label: the progress bar's name.
+        without_tools: evaluate without the config's tools (plain completions, prompts that
+            list no tools), as a model trained with them would answer alone.
     """
+    if without_tools:
+        cfg = cfg.model_copy(update={"tools": type(cfg.tools)()})
     from grpo.models import lora
     from grpo.models.loading import device_for, load_model, load_tokenizer
 

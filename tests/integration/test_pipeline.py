@@ -1205,6 +1205,7 @@ def test_two_turn_episodes_with_a_tool_through_the_pipeline(store):
         "tools.list_in_prompt=false", "sft.max_epochs=60", "sft.lr=1e-2", "sft.eval_every=20",
         "grpo.max_completion_length=160", "grpo.steps=2", "grpo.eval_every=0",
         "data.num_heldout=8", "data.num_heldout_ood=4", "tracking.registered_model=tools-e2e",
+        "eval.untooled=true",
     )  # fmt: skip
     result = grpo_pipeline(PipelineParams(config=CONFIG, overrides=over, control=False))
     c = MlflowClient(uri, uri)
@@ -1223,7 +1224,18 @@ def test_two_turn_episodes_with_a_tool_through_the_pipeline(store):
     # readable transcripts: the call, the tool's response, the model's answer after it
     assert any(re.search(r"<tool_call>.*\[tool\] .*\[assistant\] ", t) for t in texts)
     # evaluation answered in episodes with the tool, per set
-    assert parent.data.metrics["grpo/eval/synthetic/tool_use_rate"] > 0.5
+    m = parent.data.metrics
+    assert m["grpo/eval/synthetic/tool_use_rate"] > 0.5
+    # and, eval.untooled, the reference and GRPO alone on the same problems: plain completions
+    # (no episodes to count), paired against their tooled selves
+    for label in ("reference_untooled", "grpo_untooled"):
+        assert f"{label}/eval/synthetic/accuracy" in m
+        assert f"{label}/eval/synthetic/tool_use_rate" not in m
+    ev = tmp / "runs" / "tiny" / parent.info.run_id / "eval"
+    alone = [json.loads(x) for x in (ev / "grpo_untooled" / "samples.jsonl").open()]
+    tooled = [json.loads(x) for x in (ev / "grpo" / "samples.jsonl").open()]
+    assert len(alone) == len(tooled) and "transcript" not in alone[0] and "transcript" in tooled[0]
+    assert "grpo/eval/synthetic/diff_vs_grpo_untooled" in m
     # the registered model records its tools and how its prompts were laid out
     mv = c.get_model_version_by_alias("tools-e2e", "challenger")
     assert mv.run_id == grpo_run

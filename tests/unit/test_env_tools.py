@@ -103,6 +103,16 @@ def test_tools_that_cannot_be_offered_are_refused_naming_them():
         make_tools([add, add])
 
 
+def test_an_untooled_evaluation_needs_tools_to_leave_out():
+    from grpo.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="eval.untooled evaluates models without their tools"):
+        load_config(None, ["eval.untooled=true"])
+    cfg = load_config(None, ["eval.untooled=true", "tools.functions=[calculator]",
+                             "data.worked_solutions=calculator"])  # fmt: skip
+    assert cfg.eval.untooled and cfg.tools.active
+
+
 class Counter:
     """A TRL environment_factory class: state across turns, its public methods the tools."""
 
