@@ -30,9 +30,11 @@ def main() -> None:
     p.add_argument("--control", action="store_true", help="also SFT continued for GRPO's time")
     p.add_argument("--sets", help="comma-separated held-out sets (default: the config's eval.sets)")
     p.add_argument("--limit", type=int, help="the first N problems of each set")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="an override for the reference's evaluation and every variant")  # fmt: skip
     a = p.parse_args()
     out = Path(a.out)
-    base = load_config(a.config)
+    base = load_config(a.config, a.set)
     sets = a.sets.split(",") if a.sets else base.eval.sets
     ref_eval = evaluate_model(base, a.reference, sets, str(out / "reference"), limit=a.limit,
                               progress=False)  # fmt: skip
@@ -40,7 +42,7 @@ def main() -> None:
     print("reference", {k: round(v["accuracy"], 3) for k, v in ref_eval["sets"].items()})
     for i, variant in enumerate(a.variant):
         overrides = [v for v in variant.split(";") if v]
-        cfg = load_config(a.config, overrides)
+        cfg = load_config(a.config, [*a.set, *overrides])
         t = time.time()
         run_grpo(cfg, Path(a.reference), out / f"v{i}", log=lambda s: None)
         secs = time.time() - t
