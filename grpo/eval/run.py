@@ -244,38 +244,80 @@ def evaluate_model(
 def evaluate_models(
     cfg: Config, jobs: dict[str, dict[str, Any]], workers: int = 1
 ) -> dict[str, dict[str, Any]]:
-    """Several models' evaluate_model, in the order given, `workers` at a time.
+    """Several models' evaluate_model, `workers` at a time.
 
     Args:
         cfg: the run's config.
-        jobs: label -> evaluate_model's keyword arguments (model_dir, sets, out_dir, ...); put
-            the longest first, so that the shorter ones fill in beside them.
-        workers: models evaluated at once. Above 1 each runs in a process of its own with this
-            process's threads shared out equally (at least one each): two single-thread
+        jobs: label -> evaluate_model's keyword arguments (model_dir, sets, out_dir, ...).
+        workers: evaluations at once. Above 1 each model's sets are evaluated as parts of their
+            own, largest first, each in a process with this process's threads shared out
+            equally (at least one each), and put back together per model: two single-thread
             generation loops on two cores do more than one loop on both, and gave the same
             completions where measured (benchmarks/REAL_MODEL.md); a different thread count
-            may change a matmul's summation order on another CPU.
+            may change a matmul's summation order on another CPU. Parts by set keep every
+            worker busy to the end: by model, the last model ran alone on one core.
 
-    Returns: label -> report, in the order of `jobs`.
+    Returns: label -> report (as evaluate_model's, and its files in each job's out_dir), in the
+    order of `jobs`.
     """
-    if workers == 1 or len(jobs) == 1:
+    if workers == 1 or (len(jobs) == 1 and len(next(iter(jobs.values()))["sets"]) == 1):
         return {label: evaluate_model(cfg, **kw, bar_label=label) for label, kw in jobs.items()}
     import multiprocessing
+    import shutil
 
+    parts = _parts_by_set(cfg, jobs)
     threads = max(1, torch.get_num_threads() // workers)
     ctx = multiprocessing.get_context("spawn")  # no forked copy of a parent's torch threads
     # leaving the block terminates the pool: a failed evaluation (or Ctrl-C) stops the others
-    with ctx.Pool(min(workers, len(jobs))) as pool:
-        pending = {
-            label: pool.apply_async(_evaluate_on_threads, (threads, cfg, label, kw))
-            for label, kw in jobs.items()
-        }
-        while waiting := [r for r in pending.values() if not r.ready()]:
-            for r in pending.values():
+    with ctx.Pool(min(workers, len(parts))) as pool:
+        pending = [pool.apply_async(_evaluate_on_threads,
+                                    (threads, cfg, f"{label} {kw['sets'][0]}", kw))
+                   for label, kw in parts]  # fmt: skip
+        while waiting := [r for r in pending if not r.ready()]:
+            for r in pending:
                 if r.ready() and not r.successful():
                     r.get()  # raises that evaluation's error, not after the others finish
             waiting[0].wait(0.5)
-        return {label: r.get() for label, r in pending.items()}
+        done = [r.get() for r in pending]
+    reports = {}
+    for label, kw in jobs.items():
+        out = Path(kw["out_dir"])
+        mine = {p["sets"][0]: (Path(p["out_dir"]), rep)
+                for (lb, p), rep in zip(parts, done, strict=True) if lb == label}  # fmt: skip
+        report: dict[str, Any] = {"model": str(kw["model_dir"]), "sets": {}}
+        with (out / "samples.jsonl").open("w") as f:
+            for s in kw["sets"]:  # in the job's order, as one evaluate_model writes them
+                part_dir, rep = mine[s]
+                report["sets"][s] = rep["sets"][s]
+                f.write((part_dir / "samples.jsonl").read_text())
+                if (sampled := part_dir / "samples_sampled.jsonl").exists():
+                    shutil.copyfile(sampled, out / "samples_sampled.jsonl")
+        (out / "report.json").write_text(json.dumps(report, indent=2))
+        (out / "report.md").write_text(markdown_table(report))
+        shutil.rmtree(out / "parts")
+        reports[label] = report
+    return reports
+
+
+def _parts_by_set(cfg: Config, jobs: dict[str, dict[str, Any]]) -> list[tuple[str, dict]]:
+    """Each job as one part per set (the first set's carries the sampled pass@k), written under
+    its out_dir's `parts/`, ordered by their generations (problems, times k + 1 with pass@k),
+    largest first."""
+    sizes: dict[str, int] = {}
+    parts = []
+    for label, kw in jobs.items():
+        out = Path(kw["out_dir"])
+        out.mkdir(parents=True, exist_ok=True)
+        for i, s in enumerate(kw["sets"]):
+            if s not in sizes:
+                sizes[s] = len(eval_set(s, cfg))
+            n = min(sizes[s], kw.get("limit") or sizes[s])
+            k = cfg.eval.pass_k if kw.get("pass_k") is None else kw["pass_k"]
+            k = k if i == 0 and kw.get("samples", 1) == 1 else 0
+            cost = n * kw.get("samples", 1) + k * min(n, cfg.eval.pass_k_limit or n)
+            part = {**kw, "sets": [s], "pass_k": k, "out_dir": str(out / "parts" / str(i))}
+            parts.append((cost, len(parts), label, part))
+    return [(label, part) for _, _, label, part in sorted(parts, key=lambda x: (-x[0], x[1]))]
 
 
 def _evaluate_on_threads(

@@ -837,6 +837,8 @@ def test_the_evaluate_stage_evaluates_the_same_weights_once(store, tmp_path):
     fresh = evaluate_model(cfg, str(model), cfg.eval.sets, str(tmp_path / "fresh"), limit=12,
                            progress=False, pass_k=2)  # fmt: skip
     assert fresh["sets"] == reports["grpo"]["sets"]
+    # evaluated by parts (one a set, two workers), put back together as one evaluation
+    assert not any((tmp_path / "run" / "eval").glob("*/parts"))
     for name in ("samples.jsonl", "samples_sampled.jsonl"):
         assert (tmp_path / "fresh" / name).read_text() == (
             tmp_path / "run" / "eval" / "grpo" / name).read_text()  # fmt: skip
