@@ -347,9 +347,10 @@ class EvalConfig(Strict):
     )  # fmt: skip
     workers: int = Field(
         1, ge=1, le=64,
-        description="models the pipeline evaluates at once, each in its own process with an "
-        "equal share of the threads: on CPU one generation loop a core does more than one loop "
-        "over every core (small matmuls, Python between tokens)",
+        description="evaluations the pipeline runs at once (each model's sets as parts of "
+        "their own, largest first), each in its own process with an equal share of the "
+        "threads: on CPU one generation loop a core does more than one loop over every core "
+        "(small matmuls, Python between tokens)",
     )  # fmt: skip
 
 
