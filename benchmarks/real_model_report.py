@@ -280,6 +280,7 @@ def main() -> None:
     ctl = json.loads((run_dir / "sft_continued" / "control_summary.json").read_text())
     sft = _reference_summary(run_dir)
     step_times = [r["step_time"] for r in rows if "step_time" in r]
+    generators, reworded = _generator_rows(run_dir), _reworded_rows(run_dir)
     lines = [
         "## Measured: the run",
         "",
@@ -300,8 +301,8 @@ def main() -> None:
         "",
         *_paired_rows(run_dir),
         "",
-        *(["### Per generator", "", *_generator_rows(run_dir)] if _generator_rows(run_dir) else []),
-        *(["### Out of format", "", *_reworded_rows(run_dir)] if _reworded_rows(run_dir) else []),
+        *(["### Per generator", "", *generators] if generators else []),
+        *(["### Out of format", "", *reworded] if reworded else []),
         "### Seeds",
         "",
         *_seed_rows(runs),

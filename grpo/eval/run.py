@@ -255,7 +255,8 @@ def evaluate_models(
             generation loops on two cores do more than one loop on both, and gave the same
             completions where measured (benchmarks/REAL_MODEL.md); a different thread count
             may change a matmul's summation order on another CPU. Parts by set keep every
-            worker busy to the end: by model, the last model ran alone on one core.
+            worker busy to the end, where whole models would leave the last one alone on one
+            core.
 
     Returns: label -> report (as evaluate_model's, and its files in each job's out_dir), in the
     order of `jobs`.
