@@ -7,8 +7,11 @@ with its tools and without them. A candidate meets the rule when without tools i
 
     python benchmarks/tools_headroom.py --config configs/smollm2-135m-calculator.yaml
 
-The first candidate that meets the rule ends the search (--all measures every one). One JSON
-line per candidate goes to --out, with the SFT's steps and time.
+The first candidate that meets the rule ends the search. The digit counts are measured in
+order at 48 demonstrations; when none meets the rule, the demonstrations move the way it failed
+(`next_demos`): fewer when the tooled reference was above the range at every digit count, more
+when below it or calling the tool too rarely. One JSON line per candidate goes to --out, with
+the SFT's steps and time.
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ from grpo.eval.run import generate_for_rows  # noqa: E402
 from grpo.launch.runner import run_sft  # noqa: E402
 from grpo.models.loading import device_for, load_model, load_tokenizer  # noqa: E402
 
-# (demonstrations, digits) in the order the rule measures them
-CANDIDATES = [(n, d) for n in (48, 24, 96) for d in (4, 5, 6)]
+DIGITS, FIRST_DEMOS = (4, 5, 6), 48
+FEWER, MORE = (24, 12), (96,)  # tried in order, the way the rule failed
 UNTOOLED_MAX, TOOLED_RANGE, TOOL_USE_MIN = 0.05, (0.2, 0.8), 0.5
 
 
@@ -38,6 +41,32 @@ def meets_rule(untooled: float, tooled: float, tool_use_rate: float) -> bool:
     """The three conditions of the rule, on selection-split greedy pass@1 and tool use."""
     lo, hi = TOOLED_RANGE
     return untooled < UNTOOLED_MAX and lo <= tooled <= hi and tool_use_rate >= TOOL_USE_MIN
+
+
+def next_demos(demos: int, records: list[dict]) -> int | None:
+    """The demonstrations to try after every digit count at `demos` failed the rule: fewer when
+    the tooled reference was too reliable at all of them, more when too unreliable (below the
+    range, or calling the tool too rarely) at all of them; None when the failures disagree (the
+    range lies between two digit counts) or that direction is spent.
+
+    >>> too_good = {"tooled_pass@1": 0.95, "tool_use_rate": 1.0}
+    >>> too_bad = {"tooled_pass@1": 0.1, "tool_use_rate": 0.3}
+    >>> next_demos(48, [too_good] * 3), next_demos(24, [too_good] * 3), next_demos(12, [too_good])
+    (24, 12, None)
+    >>> next_demos(48, [too_bad] * 3), next_demos(96, [too_bad])
+    (96, None)
+    >>> next_demos(48, [too_good, too_bad]) is None
+    True
+    """
+    lo, hi = TOOLED_RANGE
+    if all(r["tooled_pass@1"] > hi for r in records):
+        way = (FIRST_DEMOS, *FEWER)
+    elif all(r["tooled_pass@1"] < lo or r["tool_use_rate"] < TOOL_USE_MIN for r in records):
+        way = (FIRST_DEMOS, *MORE)
+    else:
+        return None
+    i = way.index(demos) if demos in way else len(way)
+    return way[i + 1] if i + 1 < len(way) else None
 
 
 def measure(config: str, demos: int, digits: int, extra: list[str]) -> dict:
@@ -81,19 +110,22 @@ def main() -> None:
     ap.add_argument("--config", required=True)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for every candidate")  # fmt: skip
-    ap.add_argument("--all", action="store_true", help="measure every candidate")
-    ap.add_argument("--limit", type=int, default=0, help="the first N candidates only")
     ap.add_argument("--out", default="benchmarks/tools_headroom.jsonl")
     a = ap.parse_args()
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    for demos, digits in CANDIDATES[: a.limit or None]:
-        rec = measure(a.config, demos, digits, a.set)
-        print(json.dumps(rec), flush=True)
-        with open(a.out, "a") as f:
-            f.write(json.dumps(rec) + "\n")
-        if rec["meets_rule"] and not a.all:
-            print(f"the task: {digits}-digit sums, {demos} demonstrations")
-            return
+    demos: int | None = FIRST_DEMOS
+    while demos is not None:
+        records = []
+        for digits in DIGITS:
+            rec = measure(a.config, demos, digits, a.set)
+            records.append(rec)
+            print(json.dumps(rec), flush=True)
+            with open(a.out, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            if rec["meets_rule"]:
+                print(f"the task: {digits}-digit sums, {demos} demonstrations")
+                return
+        demos = next_demos(demos, records)
     print("no candidate meets the rule")
 
 
