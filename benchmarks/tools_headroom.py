@@ -85,7 +85,8 @@ def measure(config: str, demos: int, digits: int, extra: list[str]) -> dict:
           "seed": cfg.seed}  # fmt: skip
     bare = cfg.model_copy(update={"tools": type(cfg.tools)()})
     tooled = summarize(generate_for_rows(model, tok, rows, cfg, device, **kw))
-    untooled = summarize(generate_for_rows(model, tok, rows, bare, device, **kw))
+    bare_records = generate_for_rows(model, tok, rows, bare, device, **kw)
+    untooled = summarize(bare_records)
     return {
         "demonstrations": demos,
         "digits": digits,
@@ -96,6 +97,10 @@ def measure(config: str, demos: int, digits: int, extra: list[str]) -> dict:
         "sft_s": round(sft_s),
         "tooled_pass@1": tooled["accuracy"],
         "untooled_pass@1": untooled["accuracy"],
+        # what the model writes without its tool: an answer of its own, or a call nobody runs
+        "untooled_answered": sum(bool(r["extracted"]) for r in bare_records) / len(rows),
+        "untooled_wrote_call": sum("<tool_call>" in r["completion"] for r in bare_records)
+        / len(rows),
         "tool_use_rate": tooled["tool_use_rate"],
         "tool_errors_mean": tooled["tool_errors_mean"],
         "tooled_truncated": tooled["truncation_rate"],
