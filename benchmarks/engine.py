@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import tempfile
 import time
@@ -124,10 +125,6 @@ def _steps_per_hour(
 
 
 def main() -> None:
-    import torch
-
-    from grpo.config import load_config
-
     p = argparse.ArgumentParser()
     p.add_argument("--config", help="YAML config (default: the embedded default run)")
     p.add_argument("--repeats", type=int, default=3)
@@ -135,7 +132,21 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], help="config override key=value")
     p.add_argument("--out", help="append the tables to this markdown file")
     a = p.parse_args()
+    # every loop and repeat trains and checkpoints a model here: SmolLM2's came to 19 GB
     tmp = Path(tempfile.mkdtemp(prefix="grpo-engine-"))
+    try:
+        _measure(a, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _measure(a: argparse.Namespace, tmp: Path) -> None:
+    """The three tables (sampling speed, weight sync, steps per hour), printed and appended to
+    --out, from runs under `tmp`."""
+    import torch
+
+    from grpo.config import load_config
+
     cfg = load_config(a.config, [f"output_dir={tmp}", *a.set])
     model_dir = _model_dir(cfg, tmp)
     speed, sync, ideal_per_token = _tokens_per_second(cfg, model_dir, a.repeats)

@@ -1,6 +1,7 @@
 """The prepared benchmark scripts still run (on the CPU, with tiny shapes)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -106,12 +107,15 @@ def test_the_engine_benchmark_compares_every_engine_and_loop(tmp_path):
     out = tmp_path / "engine.md"
     small = ["grpo.prompts_per_step=2", "grpo.num_generations=2", "grpo.max_completion_length=8",
              "model.tiny.num_layers=1", "data.num_sft=16", "data.num_sft_val=8"]  # fmt: skip
+    scratch = tmp_path / "tmp"  # its runs' temporary directory, which it must remove
+    scratch.mkdir()
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "engine.py"), "--repeats", "1", "--steps",
          "1", "--out", str(out), *[x for s in small for x in ("--set", s)]],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, env={**os.environ, "TMPDIR": str(scratch)},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not list(scratch.glob("grpo-engine-*"))
     raw = json.loads(proc.stdout[proc.stdout.index("raw: ") + 5 :].splitlines()[0])
     assert set(raw["speed"]) == {"fast", "hf", "llama_cpp float32", "llama_cpp float16"}
     assert all(v[0] > 0 for v in raw["speed"].values())
