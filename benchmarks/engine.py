@@ -132,7 +132,7 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], help="config override key=value")
     p.add_argument("--out", help="append the tables to this markdown file")
     a = p.parse_args()
-    # every loop and repeat trains and checkpoints a model here: SmolLM2's came to 19 GB
+    # every loop and repeat trains and checkpoints a model here: gigabytes for SmolLM2
     tmp = Path(tempfile.mkdtemp(prefix="grpo-engine-"))
     try:
         _measure(a, tmp)

@@ -123,3 +123,11 @@ def test_the_engine_benchmark_compares_every_engine_and_loop(tmp_path):
                                  "llama_cpp float32, async"}  # fmt: skip
     text = out.read_text()
     assert "| fast | " in text and " 1.00x |" in text and "| float16 |" in text
+
+
+def test_the_calculator_rule_moves_its_demonstrations_the_way_it_failed():
+    # tools_headroom.next_demos's doctests: the benchmarks folder is outside pytest's testpaths
+    proc = subprocess.run([sys.executable, "-m", "doctest", "tools_headroom.py"],
+                          cwd=ROOT / "benchmarks", capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
