@@ -69,10 +69,15 @@ def next_demos(demos: int, records: list[dict]) -> int | None:
     return way[i + 1] if i + 1 < len(way) else None
 
 
+def candidate_overrides(demos: int, digits: int, extra: list[str]) -> list[str]:
+    """The config overrides of one candidate: its demonstrations, its digits, its OOD set."""
+    return [f"data.num_sft={demos}", f"data.min_digits={digits}",
+            f"data.max_digits={digits}", f"data.ood_digits={digits + 2}", *extra]  # fmt: skip
+
+
 def measure(config: str, demos: int, digits: int, extra: list[str]) -> dict:
     """Build (or reuse) the candidate's reference and measure it with and without its tools."""
-    overrides = [f"data.num_sft={demos}", f"data.min_digits={digits}",
-                 f"data.max_digits={digits}", f"data.ood_digits={digits + 2}", *extra]  # fmt: skip
+    overrides = candidate_overrides(demos, digits, extra)
     cfg = load_config(config, overrides)
     t0 = time.time()
     ref = run_sft(cfg)
@@ -110,6 +115,20 @@ def measure(config: str, demos: int, digits: int, extra: list[str]) -> dict:
     }
 
 
+def recorded(done: list[dict], demos: int, digits: int, extra: list[str]) -> dict | None:
+    """The candidate's record from an earlier, interrupted search, when it has the same overrides.
+
+    >>> rec = {"demonstrations": 48, "digits": 4, "overrides": ["data.num_sft=48",
+    ...        "data.min_digits=4", "data.max_digits=4", "data.ood_digits=6"]}
+    >>> recorded([rec], 48, 4, []) is rec
+    True
+    >>> recorded([rec], 48, 5, []), recorded([rec], 48, 4, ["seed=1"])
+    (None, None)
+    """
+    want = candidate_overrides(demos, digits, extra)
+    return next((r for r in done if r["overrides"] == want), None)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--config", required=True)
@@ -117,16 +136,22 @@ def main() -> None:
                     help="a config override for every candidate")  # fmt: skip
     ap.add_argument("--out", default="benchmarks/tools_headroom.jsonl")
     a = ap.parse_args()
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # a search stopped part way goes on: candidates already in --out (same overrides) are read,
+    # not trained again
+    done = [json.loads(x) for x in out.open()] if out.exists() else []
     demos: int | None = FIRST_DEMOS
     while demos is not None:
         records = []
         for digits in DIGITS:
-            rec = measure(a.config, demos, digits, a.set)
+            rec = recorded(done, demos, digits, a.set)
+            if rec is None:
+                rec = measure(a.config, demos, digits, a.set)
+                with open(out, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
             records.append(rec)
             print(json.dumps(rec), flush=True)
-            with open(a.out, "a") as f:
-                f.write(json.dumps(rec) + "\n")
             if rec["meets_rule"]:
                 print(f"the task: {digits}-digit sums, {demos} demonstrations")
                 return
