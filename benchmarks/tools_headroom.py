@@ -1,13 +1,18 @@
-"""The rule of benchmarks/TOOLS_SMOLLM2.md, measured: which digit count D leaves GRPO room with
-the calculator tool. For each candidate (D digits, N demonstrations), in the rule's order, the
-SFT reference is built by the pipeline's SFT stage (cached under the same key as `grpo
+"""The rule of benchmarks/TOOLS_SMOLLM2.md, measured: which task size leaves GRPO room with
+the calculator tool: the digit count D of a sum (--family sums), or the number K of kinds of
+animal in reasoning-gym's leg_counting (--family legs, the second family, measured when the
+first ends with no candidate). For each candidate (a size, N demonstrations), in the rule's
+order, the SFT reference is built by the pipeline's SFT stage (cached under the same key as `grpo
 pipeline` would use), then evaluated greedily on the selection split (never a held-out set)
 with its tools and without them. A candidate meets the rule when without tools it scores under
 0.05, with them between 0.2 and 0.8, and it calls the tool in at least half of its episodes.
 
     python benchmarks/tools_headroom.py --config configs/smollm2-135m-calculator.yaml
+    python benchmarks/tools_headroom.py --family legs \
+        --config configs/smollm2-135m-legs-calculator.yaml \
+        --out benchmarks/tools_headroom_legs.jsonl
 
-The first candidate that meets the rule ends the search. The digit counts are measured in
+The first candidate that meets the rule ends the search. The sizes are measured in
 order at 48 demonstrations; when none meets the rule, the demonstrations move the way it failed
 (`next_demos`): fewer when the tooled reference was above the range at every digit count, more
 when below it or calling the tool too rarely. One JSON line per candidate goes to --out, with
@@ -26,13 +31,16 @@ import bench_env  # noqa: E402
 bench_env.prepare()  # the CLI's kernels and threads: the reference is the pipeline's, cached
 
 from grpo.config import load_config  # noqa: E402
-from grpo.data.synthetic import make_sets  # noqa: E402
+from grpo.data.sets import training_sets  # noqa: E402
 from grpo.eval.metrics import summarize  # noqa: E402
 from grpo.eval.run import generate_for_rows  # noqa: E402
 from grpo.launch.runner import run_sft  # noqa: E402
 from grpo.models.loading import device_for, load_model, load_tokenizer  # noqa: E402
 
-DIGITS, FIRST_DEMOS = (4, 5, 6), 48
+# each family's sizes in the rule's order, and what the size is called in a record
+SIZES = {"sums": (4, 5, 6), "legs": (2, 3, 4)}
+SIZE_NAME = {"sums": "digits", "legs": "kinds"}
+FIRST_DEMOS = 48
 FEWER, MORE = (24, 12), (96,)  # tried in order, the way the rule failed
 UNTOOLED_MAX, TOOLED_RANGE, TOOL_USE_MIN = 0.05, (0.2, 0.8), 0.5
 
@@ -69,21 +77,32 @@ def next_demos(demos: int, records: list[dict]) -> int | None:
     return way[i + 1] if i + 1 < len(way) else None
 
 
-def candidate_overrides(demos: int, digits: int, extra: list[str]) -> list[str]:
-    """The config overrides of one candidate: its demonstrations, its digits, its OOD set."""
-    return [f"data.num_sft={demos}", f"data.min_digits={digits}",
-            f"data.max_digits={digits}", f"data.ood_digits={digits + 2}", *extra]  # fmt: skip
+def candidate_overrides(family: str, demos: int, size: int, extra: list[str]) -> list[str]:
+    """The config overrides of one candidate: its demonstrations, its size, its set beyond it.
+
+    >>> candidate_overrides("sums", 48, 5, [])
+    ['data.num_sft=48', 'data.min_digits=5', 'data.max_digits=5', 'data.ood_digits=7']
+    >>> candidate_overrides("legs", 24, 3, ["seed=1"])[1:]
+    ['data.generators=[{name: leg_counting, config: {min_animals: 3, max_animals: 3}}]', 'seed=1']
+    """
+    if family == "sums":
+        sized = [f"data.min_digits={size}", f"data.max_digits={size}",
+                 f"data.ood_digits={size + 2}"]  # fmt: skip
+    else:  # the set beyond is the config's rg:defaults:leg_counting (3 to 10 kinds)
+        sized = ["data.generators=[{name: leg_counting, config: "
+                 f"{{min_animals: {size}, max_animals: {size}}}}}]"]  # fmt: skip
+    return [f"data.num_sft={demos}", *sized, *extra]
 
 
-def measure(config: str, demos: int, digits: int, extra: list[str]) -> dict:
+def measure(config: str, family: str, demos: int, size: int, extra: list[str]) -> dict:
     """Build (or reuse) the candidate's reference and measure it with and without its tools."""
-    overrides = candidate_overrides(demos, digits, extra)
+    overrides = candidate_overrides(family, demos, size, extra)
     cfg = load_config(config, overrides)
     t0 = time.time()
     ref = run_sft(cfg)
     sft_s = time.time() - t0
     summary = json.loads((ref / "sft_summary.json").read_text())
-    rows = make_sets(cfg.data)["select"]
+    rows = training_sets(cfg)["select"]
     tok, device = load_tokenizer(ref), device_for(cfg)
     model = load_model(ref, cfg.model.dtype, trainable=False).to(device).eval()
     kw = {"batch_size": cfg.eval.batch_size, "max_new_tokens": cfg.eval.max_new_tokens,
@@ -94,7 +113,7 @@ def measure(config: str, demos: int, digits: int, extra: list[str]) -> dict:
     untooled = summarize(bare_records)
     return {
         "demonstrations": demos,
-        "digits": digits,
+        SIZE_NAME[family]: size,
         "overrides": overrides,
         "problems": len(rows),
         "sft_steps": summary["steps"],
@@ -115,23 +134,23 @@ def measure(config: str, demos: int, digits: int, extra: list[str]) -> dict:
     }
 
 
-def recorded(done: list[dict], demos: int, digits: int, extra: list[str]) -> dict | None:
+def recorded(done: list[dict], overrides: list[str]) -> dict | None:
     """The candidate's record from an earlier, interrupted search, when it has the same overrides.
 
     >>> rec = {"demonstrations": 48, "digits": 4, "overrides": ["data.num_sft=48",
     ...        "data.min_digits=4", "data.max_digits=4", "data.ood_digits=6"]}
-    >>> recorded([rec], 48, 4, []) is rec
+    >>> recorded([rec], candidate_overrides("sums", 48, 4, [])) is rec
     True
-    >>> recorded([rec], 48, 5, []), recorded([rec], 48, 4, ["seed=1"])
+    >>> recorded([rec], candidate_overrides("sums", 48, 5, [])), recorded([rec], ["seed=1"])
     (None, None)
     """
-    want = candidate_overrides(demos, digits, extra)
-    return next((r for r in done if r["overrides"] == want), None)
+    return next((r for r in done if r["overrides"] == overrides), None)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--config", required=True)
+    ap.add_argument("--family", choices=sorted(SIZES), default="sums")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for every candidate")  # fmt: skip
     ap.add_argument("--out", default="benchmarks/tools_headroom.jsonl")
@@ -144,16 +163,16 @@ def main() -> None:
     demos: int | None = FIRST_DEMOS
     while demos is not None:
         records = []
-        for digits in DIGITS:
-            rec = recorded(done, demos, digits, a.set)
+        for size in SIZES[a.family]:
+            rec = recorded(done, candidate_overrides(a.family, demos, size, a.set))
             if rec is None:
-                rec = measure(a.config, demos, digits, a.set)
+                rec = measure(a.config, a.family, demos, size, a.set)
                 with open(out, "a") as f:
                     f.write(json.dumps(rec) + "\n")
             records.append(rec)
             print(json.dumps(rec), flush=True)
             if rec["meets_rule"]:
-                print(f"the task: {digits}-digit sums, {demos} demonstrations")
+                print(f"the task: {SIZE_NAME[a.family]} {size}, {demos} demonstrations")
                 return
         demos = next_demos(demos, records)
     print("no candidate meets the rule")

@@ -112,8 +112,9 @@ def tools_error(cfg: Config) -> str | None:
     if cfg.data.worked_solutions == "calculator" and "calculator" not in t.functions:
         return "data.worked_solutions=calculator demonstrates a calculator call: add " \
             "calculator to tools.functions"  # fmt: skip
-    if cfg.data.worked_solutions != "columns" and cfg.data.task != "synthetic":
-        return "data.worked_solutions is the synthetic task's; it would be ignored here"
+    if cfg.data.worked_solutions != "columns" and cfg.data.task == "files":
+        return "data.worked_solutions is the synthetic and reasoning_gym tasks'; a files task's " \
+            "solutions are its files' own: it would be ignored here"  # fmt: skip
     if "environment" in g.reward_funcs and not t.environment:
         return "grpo.reward_funcs names `environment` (the environment's get_reward), but " \
             "tools.environment is not set"  # fmt: skip

@@ -134,7 +134,8 @@ class DataConfig(Strict):
         "columns",
         description="synthetic: how the SFT solutions work a sum: column by column in <think>, "
         "or by calling the calculator tool and answering with its result (tools.functions "
-        "must hold calculator)",
+        "must hold calculator); reasoning_gym: calculator gives demonstrations that call it "
+        "with the expression that solves the problem (generators that have one: leg_counting)",
     )
     min_digits: int = Field(1, ge=1)
     max_digits: int = Field(3, ge=1)

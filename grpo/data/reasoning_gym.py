@@ -13,7 +13,9 @@ held-out first) is skipped, so the sets are disjoint whatever the generators rep
 Rows: id, prompt (the question), answer and solution (the generator's answer), generator,
 rg_entry (the generator's whole entry, which its score_answer reads), and for the SFT splits
 worked_solution, an answer-format example `<answer>...</answer>` (reasoning-gym has no worked
-solutions: the reference learns where the answer goes, not how to find it).
+solutions: the reference learns where the answer goes, not how to find it); with
+data.worked_solutions calculator, a call to the calculator with the expression that solves the
+problem, built from the entry's metadata (CALCULATOR_EXPRESSIONS: the generators that have one).
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ SPLITS = ("heldout", "sft_val", "sft", "train", "select")
 SPLIT_INDEX = {"heldout": 9, "sft_val": 1, "sft": 2, "train": 3, "select": 4}
 EVAL_PREFIX = "rg:"
 MIX = "mix"  # rg:mix, every training generator's held-out set
+# rg:defaults:<name>: the generator at the library's defaults, trained on or not: for a
+# generator trained on a narrower config, problems beyond it
+DEFAULTS = "defaults:"
 REWORDED = "reworded:"  # rg:reworded:<name>: the held-out set rg:<name> in other words
 # how many entries past the wanted count a generator may give before it is called exhausted
 SLACK = 10
@@ -44,9 +49,26 @@ def library_version() -> str:
     return md.version("reasoning-gym")
 
 
-def check_generators(specs: list[Any]) -> None:
-    """Every generator name is one reasoning-gym knows and its config is one it accepts: one
-    line naming the generator otherwise (before any set is drawn)."""
+def leg_counting_expression(entry: dict[str, Any]) -> str:
+    """leg_counting: each kind's count times its legs (the generator's own table), summed.
+
+    >>> leg_counting_expression({"metadata": {"animals": {"woodlouse": 5, "leech": 2}}})
+    '5*14+2*0'
+    """
+    from reasoning_gym.arithmetic.leg_counting import ANIMALS
+
+    return "+".join(f"{n}*{ANIMALS[a]}" for a, n in entry["metadata"]["animals"].items())
+
+
+# the generators whose problems a calculator demonstration can solve, and the expression it
+# passes (data.worked_solutions calculator)
+CALCULATOR_EXPRESSIONS = {"leg_counting": leg_counting_expression}
+
+
+def check_generators(specs: list[Any], worked_solutions: str = "columns") -> None:
+    """Every generator name is one reasoning-gym knows and its config is one it accepts, and
+    with calculator demonstrations, one that has them: one line naming the generator otherwise
+    (before any set is drawn)."""
     try:
         from reasoning_gym.factory import DATASETS
     except ImportError:
@@ -66,6 +88,11 @@ def check_generators(specs: list[Any]) -> None:
             config_cls(**spec.config, seed=0, size=1).validate()
         except (TypeError, ValueError, AssertionError) as e:
             raise DataError(f"data.generators: {spec.name} config {spec.config}: {e}") from None
+        if worked_solutions == "calculator" and spec.name not in CALCULATOR_EXPRESSIONS:
+            raise DataError(
+                f"data.worked_solutions calculator: {spec.name} has no calculator "
+                f"demonstration (generators that have one: {', '.join(CALCULATOR_EXPRESSIONS)})"
+            )
 
 
 def shares(n: int, weights: list[float]) -> list[int]:
@@ -136,7 +163,7 @@ def _make_sets(key: str) -> dict[str, list[dict[str, Any]]]:
 
     data = DataConfig.model_validate(json.loads(key))
     specs = data.generators
-    check_generators(specs)
+    check_generators(specs, data.worked_solutions)
     weights = [s.weight for s in specs]
     sizes = {"sft": data.num_sft, "sft_val": data.num_sft_val, "train": data.num_train,
              "select": data.num_select}  # fmt: skip
@@ -159,8 +186,20 @@ def _make_sets(key: str) -> dict[str, list[dict[str, Any]]]:
         out[split] = rows
     for split in ("sft", "sft_val"):
         for r in out[split]:
-            r["worked_solution"] = f"<answer>{r['answer']}</answer>"
+            r["worked_solution"] = _worked_solution(r, data.worked_solutions)
     return out
+
+
+def _worked_solution(row: dict[str, Any], kind: str) -> str:
+    if kind != "calculator":
+        return f"<answer>{row['answer']}</answer>"
+    from grpo.data.demonstrations import calculator_demo
+
+    expression = CALCULATOR_EXPRESSIONS[row["generator"]](row["rg_entry"])
+    try:
+        return calculator_demo(expression, row["answer"])
+    except ValueError as e:
+        raise DataError(f"{row['id']}: calculator demonstration: {e}") from None
 
 
 def eval_rows(name: str, data: Any) -> list[dict[str, Any]]:
@@ -171,8 +210,12 @@ def eval_rows(name: str, data: Any) -> list[dict[str, Any]]:
     set together, one problem of each in turn (evaluation then reports each generator's
     accuracy beside the whole's).
     `rg:reworded:<generator>` / `rg:reworded:mix`: the same problems in other words, the
-    out-of-format check (grpo.data.rewording)."""
+    out-of-format check (grpo.data.rewording). `rg:defaults:<generator>`: the generator at the
+    library's defaults even when it is trained on (problems beyond a narrower training config),
+    drawn and deduplicated as an untrained generator's set is."""
     gen = name.removeprefix(EVAL_PREFIX)
+    if gen.startswith(DEFAULTS):
+        return _ood_rows(gen.removeprefix(DEFAULTS), _key(data))
     if gen.startswith(REWORDED):  # the out-of-format check (grpo.data.rewording)
         from grpo.data.rewording import reword
 

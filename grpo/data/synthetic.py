@@ -12,10 +12,10 @@ heldout (same digit range), heldout_ood (more digits: harder, never trained on) 
 
 from __future__ import annotations
 
-import json
 import random
 
 from grpo.config import DataConfig
+from grpo.data.demonstrations import calculator_demo
 from reward_fns.process import column_steps_of
 
 
@@ -33,16 +33,13 @@ def worked_solution(a: int, b: int) -> str:
 
 
 def calculator_solution(a: int, b: int) -> str:
-    """The same sum worked by calling the calculator tool (grpo.env), as one string whose
-    <tool_response> block is the tool's turn (grpo.env.render.demo_turns splits it).
+    """The same sum worked by calling the calculator tool (grpo.env).
 
     >>> calculator_solution(47, 85)  # doctest: +NORMALIZE_WHITESPACE
     '<tool_call>{"name": "calculator", "arguments": {"expression": "47+85"}}</tool_call>\
 <tool_response>132</tool_response><think>132</think><answer>132</answer>'
     """
-    call = json.dumps({"name": "calculator", "arguments": {"expression": f"{a}+{b}"}})
-    return (f"<tool_call>{call}</tool_call><tool_response>{a + b}</tool_response>"
-            f"<think>{a + b}</think><answer>{a + b}</answer>")  # fmt: skip
+    return calculator_demo(f"{a}+{b}", str(a + b))
 
 
 def _number(rng: random.Random, digits: int) -> int:

@@ -157,3 +157,48 @@ def test_the_out_of_format_set_asks_the_same_problems_in_other_words():
         reword("spell_backward", "Spell this word backward: cat")
     with pytest.raises(DataError, match="rg:reworded:gcd: a question does not have the form"):
         reword("gcd", "What is the GCD of 4 and 6?")
+
+
+LEGS = ["data.task=reasoning_gym", "tools.functions=[calculator]",
+        "data.worked_solutions=calculator", "data.num_train=20", "data.num_sft=8",
+        "data.num_sft_val=8", "data.num_select=3", "data.num_heldout=40",
+        "data.generators=[{name: leg_counting, "
+        "config: {min_animals: 2, max_animals: 2}}]"]  # fmt: skip
+
+
+def test_calculator_demonstrations_pass_the_problems_expression_and_answer_its_result():
+    from grpo.env.calculator import calculator
+    from grpo.env.render import demo_turns
+
+    sets = rgd.make_sets(load_config(None, LEGS).data)
+    for r in sets["sft"] + sets["sft_val"]:
+        (call, response, answer) = (t for _, t in demo_turns(r["worked_solution"]))
+        animals = r["rg_entry"]["metadata"]["animals"]
+        # hand-made from the question: count x legs of each kind, in the question's order
+        legs = {"spider": 8, "chicken": 2, "snake": 0, "cow": 4, "woodlouse": 14, "crab": 10}
+        expression = re.search(r'"expression": "([^"]+)"', call).group(1)
+        terms = expression.split("+")
+        assert [int(t.split("*")[0]) for t in terms] == list(animals.values())
+        for (name, _), t in zip(animals.items(), terms, strict=True):
+            if name in legs:
+                assert int(t.split("*")[1]) == legs[name]
+        assert response == calculator(expression) == r["answer"]
+        assert answer.endswith(f"<answer>{r['answer']}</answer>")
+    # a generator without a calculator demonstration is named, before anything is drawn
+    gcd = [*LEGS[:-1], "data.generators=[{name: gcd}]"]
+    with pytest.raises(DataError, match="gcd has no calculator demonstration.*leg_counting"):
+        rgd.make_sets(load_config(None, gcd).data)
+
+
+def test_the_library_defaults_set_goes_beyond_a_narrower_training_config():
+    data = load_config(None, LEGS).data
+    sets = rgd.make_sets(data)
+    trained = rgd.eval_rows("rg:leg_counting", data)
+    beyond = rgd.eval_rows("rg:defaults:leg_counting", data)
+    assert trained == sets["heldout:leg_counting"] and len(beyond) == 40
+    assert {len(r["rg_entry"]["metadata"]["animals"]) for r in trained} == {2}
+    # the library's defaults: 3 to 10 kinds of animal, never the 2 trained on
+    kinds = {len(r["rg_entry"]["metadata"]["animals"]) for r in beyond}
+    assert min(kinds) >= 3 and max(kinds) > 3
+    seen = {r["prompt"] for rows in sets.values() for r in rows}
+    assert not seen & {r["prompt"] for r in beyond}
