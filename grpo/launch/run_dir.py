@@ -22,6 +22,8 @@ RESUMABLE = {"grpo.checkpoint_every", "grpo.keep_checkpoints", "grpo.log_complet
              "grpo.eval_every", "grpo.eval_limit", "grpo.reward_timeout_s"}  # fmt: skip
 # the sections that decide what a GRPO run learns
 SAME_RUN = ("seed", "model.", "data.", "grpo.")
+# a full-weight checkpoint holds the weights and AdamW's two moments, each the model's size
+CHECKPOINT_COPIES = 3
 
 
 class RunDirError(UserError, ValueError):
@@ -106,3 +108,43 @@ def _check_resume(out: Path, cfg: Config) -> None:
 
 def _span(steps: list[int]) -> str:
     return f"{steps[0]}..{steps[-1]}" if steps else "none"
+
+
+def bytes_at_least(model_bytes: int, cfg: Config) -> int:
+    """The least a GRPO run from a model whose weight files take `model_bytes` holds on disk at
+    once: the checkpoints present when one is written (grpo.keep_checkpoints and the new one, or
+    every checkpoint of a shorter run), each CHECKPOINT_COPIES times the model when the full
+    weights train (a LoRA checkpoint, the adapter's, counts as nothing), and policy/. Selected
+    steps, snapshots and policy_last/ come on top.
+
+    >>> from grpo.config import load_config
+    >>> bytes_at_least(100, load_config(None, ["grpo.steps=20", "grpo.checkpoint_every=10"]))
+    700
+    >>> bytes_at_least(100, load_config(None, ["grpo.steps=95", "grpo.checkpoint_every=10"]))
+    1000
+    """
+    g = cfg.grpo
+    saves = len(set(range(g.checkpoint_every, g.steps + 1, g.checkpoint_every)) | {g.steps})
+    each = 0 if cfg.model.lora.enabled else CHECKPOINT_COPIES * model_bytes
+    return min(g.keep_checkpoints + 1, saves) * each + model_bytes
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def check_free_space(out: Path, policy_dir: Path, cfg: Config) -> None:
+    """Refuse a GRPO run the disk under `out` cannot hold (bytes_at_least), before any rank
+    starts: a full disk would otherwise end it at its first checkpoint, after the steps before
+    it. What `out` already holds (a resumed run's checkpoints) counts as written."""
+    model = sum(f.stat().st_size for f in Path(policy_dir).glob("*.safetensors"))
+    held = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) if out.exists() else 0
+    need = bytes_at_least(model, cfg) - held
+    free = shutil.disk_usage(out if out.exists() else out.parent).free
+    if need > free:
+        raise RunDirError(
+            f"{out}: {_gib(free)} free, and this run writes at least {_gib(need)} more (its "
+            f"checkpoints, {CHECKPOINT_COPIES}x the {_gib(model)} model each, "
+            f"grpo.keep_checkpoints={cfg.grpo.keep_checkpoints} kept, and its policy): free "
+            "space there, or lower grpo.keep_checkpoints"
+        )

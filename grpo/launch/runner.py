@@ -35,6 +35,7 @@ from grpo.launch.paths import (
     reference_dir,
     write_config,
 )
+from grpo.launch.run_dir import check_free_space
 from reward_fns.errors import UserError
 
 # output lines kept for the error message of a stage that failed without an error file
@@ -454,6 +455,8 @@ def run_grpo(
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     node = this_node(cfg)
+    if node is None or node.rank == 0:  # node 0 writes the run's checkpoints and policy
+        check_free_space(out_dir, policy_dir, cfg)
     args = ["--policy", str(policy_dir), "--out", str(out_dir)] + (["--resume"] if resume else [])
     if node is not None and node.rank > 0:
         # rank 0, on node 0, writes the run: this node's config goes beside it, not over it

@@ -62,3 +62,29 @@ def test_resume_refuses_a_config_that_trains_another_run(tmp_path):
     other = small_config(tmp_path, "grpo.lr=0.5", "seed=3")
     with pytest.raises(RunDirError, match=r"grpo.lr .* -> 0.5, seed 0 -> 3"):
         prepare_run_dir(out, other, resume=True, overwrite=False)
+
+
+def test_a_run_the_disk_cannot_hold_is_refused_before_it_starts(tmp_path):
+    """On the real disk under tmp_path: a model whose files (sparse: they take no space) are as
+    large as the free space cannot fit its checkpoints; a small one can; a resumed run's
+    checkpoints count as written."""
+    import shutil
+
+    from grpo.launch.run_dir import bytes_at_least, check_free_space
+
+    cfg = small_config(tmp_path)
+    model, out = tmp_path / "model", tmp_path / "run"
+    model.mkdir()
+    weights = model / "model.safetensors"
+    weights.write_bytes(b"0" * 1000)
+    check_free_space(out, model, cfg)  # a small model: nothing said
+    free = shutil.disk_usage(tmp_path).free
+    with weights.open("r+b") as f:
+        f.truncate(free // 2)
+    with pytest.raises(RunDirError, match=r"run: .* GiB free, .* at least .* lower grpo.keep"):
+        check_free_space(out, model, cfg)
+    # a resume whose checkpoints already hold all but a little of what the run writes
+    (out / "checkpoints").mkdir(parents=True)
+    with (out / "checkpoints" / "state.pt").open("wb") as f:
+        f.truncate(bytes_at_least(free // 2, cfg) - 1000)
+    check_free_space(out, model, cfg)
