@@ -6,7 +6,8 @@ training temperature), grpo/metrics.jsonl, the control's metrics and both select
 and writes: the held-out table (strict: the training reward's reading; lenient: the last number
 in the text), the paired differences with 95% intervals (`grpo - sft_continued` first), the
 selection, accuracy per reasoning-gym generator, the out-of-format check (a set beside its
-reworded twin), the curves, and the same problems before and after. Several --run-dir give
+reworded twin), with tools their use and errors and each tooled model against itself without
+them (eval.untooled), the curves, and the same problems before and after. Several --run-dir give
 GRPO - RFT, GRPO - continued SFT, RFT - reference and GRPO - reference per seed and set, with
 the seeds' spread.
 
@@ -22,8 +23,9 @@ import statistics
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# the untooled pair: a run with tools (eval.untooled), the reference and GRPO without them
 LABELS = ("reference", "grpo", "sft_continued", "rft", "grpo_last", "sft_continued_last",
-          "rft_last")  # fmt: skip
+          "rft_last", "reference_untooled", "grpo_untooled")  # fmt: skip
 PAIRS = (  # (minus, model): model - minus
     ("sft_continued", "grpo"),
     ("rft", "grpo"),
@@ -32,6 +34,8 @@ PAIRS = (  # (minus, model): model - minus
     ("reference", "rft"),
     ("sft_continued_last", "grpo_last"),
     ("grpo_last", "grpo"),
+    ("reference_untooled", "reference"),
+    ("grpo_untooled", "grpo"),
 )
 
 
@@ -128,7 +132,8 @@ def _paired_rows(run_dir: Path) -> list[str]:
 
 
 SEED_PAIRS = (("rft", "grpo"), ("sft_continued", "grpo"), ("reference", "rft"),
-              ("reference", "grpo"))  # fmt: skip
+              ("reference", "grpo"), ("reference_untooled", "reference"),
+              ("grpo_untooled", "grpo"))  # fmt: skip
 
 
 def _seed(run_dir: Path) -> str:
@@ -194,6 +199,23 @@ def _generator_rows(run_dir: Path) -> list[str]:
             lines.append(f"| {g} | " + " | ".join(cells) + " |")
         lines.append("")
     return lines
+
+
+def _tool_rows(run_dir: Path) -> list[str]:
+    """With tools: each tooled model's share of episodes that called one, and its tool errors
+    an episode, per set (report.json)."""
+    lines = []
+    for label in LABELS:
+        path = run_dir / "eval" / label / "report.json"
+        sets = json.loads(path.read_text())["sets"] if path.exists() else {}
+        for s, m in sets.items():
+            if "tool_use_rate" in m:
+                lines.append(f"| {s} | {label} | {m['tool_use_rate']:.3f} | "
+                             f"{m['tool_errors_mean']:.3f} |")  # fmt: skip
+    if not lines:
+        return []
+    return ["| set | model | episodes calling a tool | tool errors an episode |",
+            "|---|---|---|---|", *sorted(lines), ""]  # fmt: skip
 
 
 def _reworded_rows(run_dir: Path) -> list[str]:
@@ -281,6 +303,7 @@ def main() -> None:
     sft = _reference_summary(run_dir)
     step_times = [r["step_time"] for r in rows if "step_time" in r]
     generators, reworded = _generator_rows(run_dir), _reworded_rows(run_dir)
+    tools = _tool_rows(run_dir)
     lines = [
         "## Measured: the run",
         "",
@@ -303,6 +326,7 @@ def main() -> None:
         "",
         *(["### Per generator", "", *generators] if generators else []),
         *(["### Out of format", "", *reworded] if reworded else []),
+        *(["### Tool use", "", *tools] if tools else []),
         "### Seeds",
         "",
         *_seed_rows(runs),
